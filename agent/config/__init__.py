@@ -1,0 +1,1 @@
+"""Node configuration: schema, loading and live reload."""

@@ -1,0 +1,185 @@
+"""The node config (the mounted ConfigMap) as frozen dataclasses.
+
+Every field has a default, so an empty file is a valid config. Field names are the YAML
+keys; ``agent.config.loader`` validates a parsed document against these types and names
+the offending field on error. Sections belong to the component that reads them; keep
+each section's fields documented where they are declared.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.errors import ConfigError
+
+
+class Owner(StrEnum):
+    """Which mechanism serves a physical GPU (with all its MIG devices and replicas)."""
+
+    DEVICE_PLUGIN = "device-plugin"
+    DRA = "dra"
+    NONE = "none"
+
+
+BackendName = Literal["auto", "nvml", "simulated"]
+
+
+@dataclass(frozen=True, slots=True)
+class PathsConfig:
+    kubelet_root: Path = Path("/var/lib/kubelet")
+    cdi_root: Path = Path("/var/run/cdi")
+    state_dir: Path = Path("/var/lib/gpu-node-agent")
+    # where the NVIDIA driver's files live: "/" or e.g. /run/nvidia/driver (driver container)
+    driver_root: Path = Path("/")
+
+
+_COUNT_RE = re.compile(r"^count\s+(\d+)\s+within\s+(\d+(?:\.\d+)?)\s*(s|m|h)?$")
+_UNITS = {None: 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True, slots=True)
+class XidRule:
+    """What one Xid means for health: ``ignore``, ``fatal`` or ``count N within T``."""
+
+    action: Literal["ignore", "fatal", "count"]
+    count: int = 1
+    window_s: float = 0.0
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> XidRule:
+        if isinstance(value, XidRule):
+            return value
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected 'ignore', 'fatal' or 'count N within T', got {value!r}")
+        text = value.strip().lower()
+        if text in ("ignore", "fatal"):
+            return cls(action=text)  # type: ignore[arg-type]
+        match = _COUNT_RE.match(text)
+        if match is None:
+            raise ConfigError(f"{where}: expected 'ignore', 'fatal' or 'count N within T', got {value!r}")
+        count = int(match.group(1))
+        window = float(match.group(2)) * _UNITS[match.group(3)]
+        if count < 1 or window <= 0:
+            raise ConfigError(f"{where}: count and window must be positive, got {value!r}")
+        return cls(action="count", count=count, window_s=window)
+
+    def describe(self) -> str:
+        if self.action == "count":
+            return f"count {self.count} within {self.window_s:g}s"
+        return self.action
+
+
+#: Xids caused by applications, not by the GPU (NVIDIA's device plugin skips the same set).
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
+#: Xids after which the GPU needs a reset before it can be trusted again.
+RESET_REQUIRED_XIDS = (48, 79, 95, 119, 120, 154)
+
+
+def _default_xids() -> dict[int, XidRule]:
+    return {xid: XidRule(action="ignore") for xid in APPLICATION_XIDS}
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    enabled: bool = True
+    # periodic checks (GPU lost, NVML garbage) and the rate at which CHECK_OK is reported
+    check_interval_s: float = 5.0
+    # how long a device must pass its checks before it returns to service (hysteresis)
+    recovery_quiet_s: float = 60.0
+    # bound on one NVML event wait, so that shutdown is noticed promptly
+    event_wait_ms: int = 1000
+    # rule for Xids not listed in ``xids``
+    xid_default: XidRule = XidRule(action="fatal")
+    # per-Xid rules; merged over the defaults (application Xids ignored)
+    xids: dict[int, XidRule] = field(default_factory=_default_xids)
+    # faults that keep a device unhealthy until the agent restarts or it is reset
+    reset_required_xids: tuple[int, ...] = RESET_REQUIRED_XIDS
+    ecc_double_bit: Literal["ignore", "fatal"] = "fatal"
+    history_size: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMatch:
+    names: tuple[str, ...] = ()
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRule:
+    match: NodeMatch = NodeMatch()
+    default: Owner | None = None
+    # by GPU UUID or index (as a string)
+    gpus: dict[str, Owner] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class OwnershipConfig:
+    default: Owner = Owner.DEVICE_PLUGIN
+    nodes: tuple[NodeRule, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TimeSlicingConfig:
+    # each GPU is advertised as this many replica devices; 1 means no sharing
+    replicas: int = 1
+    # advertise replicas as "<resource>.shared" instead of "<resource>"
+    rename_by_default: bool = False
+    # refuse a request for several replicas of the same GPU
+    fail_requests_greater_than_one: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PluginConfig:
+    """The kubelet device plugin (agent/plugin)."""
+
+    enabled: bool = True
+    resource_name: str = "nvidia.com/gpu"
+    mig_strategy: Literal["none", "single", "mixed"] = "none"
+    device_list_strategy: tuple[Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"], ...] = (
+        "envvar",
+    )
+    device_id_strategy: Literal["uuid", "index"] = "uuid"
+    replica_policy: Literal["pack", "spread"] = "spread"
+    time_slicing: TimeSlicingConfig = TimeSlicingConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class CdiConfig:
+    """CDI spec generation and reconciliation (agent/cdi)."""
+
+    enabled: bool = True
+    device_plugin_kind: str = "k8s.gpu-node-agent.nvidia.com/gpu"
+    claim_kind: str = "k8s.gpu-node-agent.nvidia.com/claim"
+    reconcile_interval_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    backend: BackendName = "auto"
+    # simulated node: a preset name or a YAML file
+    preset: str = "h100-8x-nvlink"
+    node_name: str = ""
+    node_labels: dict[str, str] = field(default_factory=dict)
+    debug_addr: str = "127.0.0.1:9400"
+    kubeconfig: str = ""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    paths: PathsConfig = PathsConfig()
+    health: HealthConfig = HealthConfig()
+    ownership: OwnershipConfig = OwnershipConfig()
+    plugin: PluginConfig = PluginConfig()
+    cdi: CdiConfig = CdiConfig()
+
+
+#: fields that only take effect when the agent starts; a live reload keeps their old values
+RESTART_ONLY_FIELDS = (
+    "backend",
+    "preset",
+    "node_name",
+    "debug_addr",
+    "kubeconfig",
+    "paths",
+)

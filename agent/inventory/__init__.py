@@ -1,0 +1,1 @@
+"""Device inventory: the model and the backends that fill it."""
