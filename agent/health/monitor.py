@@ -1,0 +1,178 @@
+"""The single per-device health record that both mechanisms and the debug endpoint read.
+
+Backends emit raw :class:`Signal` s; the monitor applies the policy, keeps the record and a
+short history per GPU, and publishes a :class:`HealthChange` for every transition. MIG
+devices follow their parent: a signal about a MIG device counts against its GPU, and a MIG
+device's state is its parent's.
+
+Everything here runs on the event loop thread; backends with threads hop to the loop
+before calling :meth:`observe`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import structlog
+
+from agent.config.schema import HealthConfig
+from agent.events import Broadcast
+from agent.health.model import HealthChange, HealthState, Signal, SignalKind
+from agent.health.policy import classify, recovered
+from agent.inventory.model import Inventory
+
+log = structlog.get_logger("agent.health")
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryEntry:
+    at: str  # ISO 8601 UTC
+    state: HealthState
+    cause: str
+    xid: int | None
+
+
+@dataclass(slots=True)
+class DeviceHealth:
+    uuid: str
+    state: HealthState = HealthState.HEALTHY
+    cause: str = ""
+    reset_required: bool = False
+    # monotonic time of the first passed check after the last fault (None: none yet)
+    clean_since: float | None = None
+    history: deque[HistoryEntry] = field(default_factory=deque)
+    xid_times: dict[int, deque[float]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state.value,
+            "cause": self.cause,
+            "reset_required": self.reset_required,
+            "history": [
+                {"at": h.at, "state": h.state.value, "cause": h.cause, "xid": h.xid} for h in self.history
+            ],
+        }
+
+
+def _utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        *,
+        config: HealthConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], str] = _utc_now,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._wall = wall
+        self._records: dict[str, DeviceHealth] = {}
+        self._parents: dict[str, str] = {}
+        self.changes: Broadcast[HealthChange] = Broadcast()
+        self.transitions: dict[HealthState, int] = dict.fromkeys(HealthState, 0)
+
+    # --- configuration -----------------------------------------------------------
+
+    def set_inventory(self, inventory: Inventory) -> None:
+        """Track the GPUs of ``inventory``; records of GPUs still present are kept."""
+        records: dict[str, DeviceHealth] = {}
+        for gpu in inventory.gpus:
+            records[gpu.uuid] = self._records.get(gpu.uuid) or self._new_record(gpu.uuid)
+        self._records = records
+        self._parents = {m.uuid: g.uuid for g in inventory.gpus for m in g.mig_devices}
+
+    def update_config(self, config: HealthConfig) -> None:
+        self._config = config
+        for record in self._records.values():
+            if len(record.history) > config.history_size:
+                record.history = deque(list(record.history)[-config.history_size :])
+
+    def _new_record(self, uuid: str) -> DeviceHealth:
+        return DeviceHealth(uuid=uuid)
+
+    # --- reads --------------------------------------------------------------------
+
+    def state(self, uuid: str) -> HealthState:
+        """Health of a GPU or MIG device; UNKNOWN for devices the monitor does not track."""
+        record = self._records.get(self._parents.get(uuid, uuid))
+        return record.state if record else HealthState.UNKNOWN
+
+    def is_healthy(self, uuid: str) -> bool:
+        return self.state(uuid) is HealthState.HEALTHY
+
+    def record(self, uuid: str) -> DeviceHealth | None:
+        return self._records.get(self._parents.get(uuid, uuid))
+
+    def counts(self) -> dict[HealthState, int]:
+        out = dict.fromkeys(HealthState, 0)
+        for record in self._records.values():
+            out[record.state] += 1
+        return out
+
+    # --- writes -------------------------------------------------------------------
+
+    def observe(self, signal: Signal) -> None:
+        """Apply one signal. Called on the loop thread; never raises for unknown devices."""
+        uuid = self._parents.get(signal.uuid, signal.uuid)
+        record = self._records.get(uuid)
+        if record is None:
+            log.debug("signal for untracked device ignored", uuid=signal.uuid, kind=signal.kind.value)
+            return
+        if not self._config.enabled and signal.kind not in (SignalKind.INJECTED_FAULT, SignalKind.INJECTED_HEAL):
+            return
+        now = self._clock()
+        if signal.kind is SignalKind.CHECK_OK:
+            self._on_check_ok(record, now)
+            return
+        if signal.kind is SignalKind.INJECTED_HEAL:
+            record.reset_required = False
+            record.xid_times.clear()
+            record.clean_since = now
+            self._transition(record, HealthState.HEALTHY, "healed by operator", None)
+            return
+        fault = classify(signal, self._config, record.xid_times, now)
+        if fault is None:
+            if signal.kind is SignalKind.XID:
+                log.info("xid ignored by policy", uuid=uuid, xid=signal.xid, detail=signal.detail)
+            return
+        record.clean_since = None
+        record.reset_required = record.reset_required or fault.reset_required
+        if record.state is HealthState.UNHEALTHY:
+            # already out of service: the newest fault restarts the quiet period, keep the record
+            self._append_history(record, HealthState.UNHEALTHY, fault.cause, signal.xid)
+            log.warning("fault on unhealthy device", uuid=uuid, cause=fault.cause, xid=signal.xid)
+            return
+        self._transition(record, HealthState.UNHEALTHY, fault.cause, signal.xid)
+
+    def _on_check_ok(self, record: DeviceHealth, now: float) -> None:
+        if record.state is HealthState.HEALTHY or record.reset_required:
+            return
+        if record.clean_since is None:
+            record.clean_since = now
+        if recovered(clean_since=record.clean_since, now=now, quiet_s=self._config.recovery_quiet_s):
+            quiet = self._config.recovery_quiet_s
+            self._transition(record, HealthState.HEALTHY, f"recovered after {quiet:g}s of passing checks", None)
+
+    def _transition(self, record: DeviceHealth, new: HealthState, cause: str, xid: int | None) -> None:
+        old = record.state
+        if old is new:
+            return
+        record.state = new
+        record.cause = cause if new is not HealthState.HEALTHY else ""
+        self._append_history(record, new, cause, xid)
+        self.transitions[new] += 1
+        logger = log.warning if new is HealthState.UNHEALTHY else log.info
+        logger("device health changed", uuid=record.uuid, old=old.value, new=new.value, cause=cause, xid=xid)
+        self.changes.publish(HealthChange(uuid=record.uuid, old=old, new=new, cause=cause, xid=xid))
+
+    def _append_history(self, record: DeviceHealth, state: HealthState, cause: str, xid: int | None) -> None:
+        record.history.append(HistoryEntry(at=self._wall(), state=state, cause=cause, xid=xid))
+        while len(record.history) > self._config.history_size:
+            record.history.popleft()
