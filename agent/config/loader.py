@@ -234,7 +234,7 @@ def _type_name(tp: Any) -> str:
     return str(tp)
 
 
-def convert(tp: Any, value: Any, where: str) -> Any:  # noqa: C901 - one dispatch table
+def convert(tp: Any, value: Any, where: str) -> Any:
     label = where or "config"
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
