@@ -1,0 +1,347 @@
+"""The composition root: builds every component once and runs them as tasks of one loop.
+
+Startup order (undone in reverse by the exit stack):
+  config -> backend + inventory -> health monitor -> ownership table -> CDI base spec
+  -> debug endpoint -> device-plugin servers (serve, then register) -> ready.
+
+``run_agent`` takes ``stop`` and ``ready`` events so that the CLI and the tests start and
+stop the agent the same way. A root task that fails, or returns when it should run
+forever, stops the whole agent with :class:`AgentCrashed`; the DaemonSet restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from agent import __version__
+from agent.cdi.service import CdiService, NullCdiService
+from agent.config.loader import LoadedConfig, load_config, parse_host_port, to_plain
+from agent.config.schema import Config
+from agent.config.state import ConfigState
+from agent.config.watcher import ConfigWatcher
+from agent.debug.metrics import AgentCollector, LoopLagProbe
+from agent.debug.server import DebugContext, SimulatedControl, serve_debug
+from agent.errors import AgentError
+from agent.health.monitor import HealthMonitor
+from agent.inventory.backend import Backend
+from agent.inventory.factory import open_backend
+from agent.inventory.model import Inventory
+from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
+from agent.plugin.manager import PluginManager
+
+log = structlog.get_logger("agent")
+
+#: how long shutdown may take before the agent gives up waiting on its tasks
+SHUTDOWN_TIMEOUT_S = 4.0
+
+
+class AgentCrashed(AgentError):
+    """A root task failed or ended; the agent stopped."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunOptions:
+    config_path: Path | None = None
+    #: dotted config paths set by flags and GPU_AGENT_* variables; they win over the file
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+
+def resolve_node_name(config: Config) -> str:
+    return config.node_name or os.environ.get("NODE_NAME", "") or socket.gethostname()
+
+
+class Agent:
+    """The running agent's components; read by the debug endpoint and by tests."""
+
+    def __init__(
+        self,
+        *,
+        config_state: ConfigState,
+        node_name: str,
+        backend: Backend,
+        inventory: Inventory,
+        health: HealthMonitor,
+        ownership: OwnershipState,
+        cdi: CdiService | NullCdiService,
+        plugin: PluginManager | None,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.config_state = config_state
+        self.node_name = node_name
+        self.backend = backend
+        self.inventory = inventory
+        self.health = health
+        self.ownership = ownership
+        self.cdi = cdi
+        self.plugin = plugin
+        self.registry = registry
+        self.loop_lag = LoopLagProbe()
+        self.debug_port = 0
+        registry.register(
+            AgentCollector(
+                devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
+            )
+        )
+
+    # --- views ---------------------------------------------------------------------
+
+    def gpu_uuids(self) -> list[str]:
+        return [gpu.uuid for gpu in self.inventory.gpus]
+
+    @property
+    def status(self) -> str:
+        return "serving" if self.inventory.gpus else "no devices"
+
+    def compute_ownership(self, loaded: LoadedConfig) -> OwnershipTable:
+        config = loaded.config
+        return compute_ownership(
+            self.inventory,
+            config.ownership,
+            node_name=self.node_name,
+            node_labels=config.node_labels,
+            version=loaded.version,
+        )
+
+    def validate(self, loaded: LoadedConfig) -> None:
+        """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
+        self.compute_ownership(loaded)
+
+    def readiness(self) -> dict[str, str]:
+        checks = {"inventory": "", "debug": "" if self.debug_port else "debug endpoint not listening"}
+        if self.plugin is not None:
+            checks["device-plugin"] = "" if self.plugin.ready else "device plugin servers not registered"
+        return checks
+
+    def simulated_control(self) -> SimulatedControl | None:
+        from agent.inventory.simulated import SimulatedBackend
+
+        return self.backend if isinstance(self.backend, SimulatedBackend) else None
+
+    def state(self) -> dict[str, Any]:
+        table = self.ownership.current
+        devices = []
+        for gpu in self.inventory.gpus:
+            record = self.health.record(gpu.uuid)
+            devices.append(
+                {
+                    "uuid": gpu.uuid,
+                    "index": gpu.index,
+                    "minor": gpu.minor,
+                    "product_name": gpu.product_name,
+                    "architecture": gpu.architecture,
+                    "compute_capability": gpu.compute_capability,
+                    "memory_mib": gpu.memory_mib,
+                    "pci_bus_id": gpu.pci_bus_id,
+                    "numa_node": gpu.numa_node,
+                    "owner": table.owner_of(gpu.uuid).value,
+                    "health": self.health.state(gpu.uuid).value,
+                    "health_detail": record.as_dict() if record else None,
+                    "mig_enabled": gpu.mig_enabled,
+                    "mig": [
+                        {
+                            "uuid": mig.uuid,
+                            "index": mig.index,
+                            "profile": mig.profile,
+                            "gpu_instance_id": mig.gpu_instance_id,
+                            "compute_instance_id": mig.compute_instance_id,
+                            "memory_mib": mig.memory_mib,
+                            "health": self.health.state(mig.uuid).value,
+                        }
+                        for mig in gpu.mig_devices
+                    ],
+                }
+            )
+        gpus = self.inventory.gpus
+        topology = {
+            f"{a.index}-{b.index}": self.inventory.link(a.uuid, b.uuid).describe()
+            for i, a in enumerate(gpus)
+            for b in gpus[i + 1 :]
+        }
+        cs = self.config_state
+        return {
+            "version": __version__,
+            "node": {"name": self.node_name, "labels": cs.config.node_labels},
+            "status": self.status,
+            "backend": self.inventory.backend,
+            "driver_version": self.inventory.driver_version,
+            "cuda_driver_version": self.inventory.cuda_driver_version,
+            "devices": devices,
+            "topology": topology,
+            "ownership": {
+                "node_rule": table.node_rule,
+                "counts": {owner.value: n for owner, n in table.counts().items()},
+            },
+            "config": {
+                "version": cs.loaded.version,
+                "source": cs.loaded.source,
+                "last_error": cs.last_error,
+                "reloads": cs.reloads,
+                "rejections": cs.rejections,
+                "effective": to_plain(cs.config),
+            },
+            "device_plugin": self.plugin.debug_state() if self.plugin is not None else {"enabled": False},
+            "cdi": self.cdi.debug_state(),
+        }
+
+    # --- tasks ---------------------------------------------------------------------
+
+    async def follow_config(self) -> None:
+        """Apply accepted config changes: health policy and ownership (the plugin follows itself)."""
+        with self.config_state.changes.subscribe() as changes:
+            async for loaded in changes:
+                self.health.update_config(loaded.config.health)
+                if self.ownership.update(self.compute_ownership(loaded)):
+                    log.info("ownership changed", version=loaded.version, counts=self._owner_counts())
+
+    def _owner_counts(self) -> dict[str, int]:
+        return {owner.value: n for owner, n in self.ownership.current.counts().items()}
+
+    async def watch_health(self) -> None:
+        await self.backend.watch_health(self.inventory, self.health.observe)
+
+
+async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
+    """Run a root task; a failure or an unexpected return becomes AgentCrashed."""
+    try:
+        await work()
+    except asyncio.CancelledError:
+        raise
+    except AgentError as exc:
+        log.error("task failed", task=name, error=str(exc))
+        raise AgentCrashed(f"{name} failed: {exc}") from exc
+    except Exception as exc:
+        log.exception("task crashed", task=name)
+        raise AgentCrashed(f"{name} crashed: {type(exc).__name__}: {exc}") from exc
+    log.error("task ended unexpectedly", task=name)
+    raise AgentCrashed(f"{name} ended unexpectedly")
+
+
+async def _wait_ready(agent: Agent, ready: asyncio.Event) -> None:
+    """Set ``ready`` once every readiness check passes; then idle (a root task may not return)."""
+    # readiness is a view computed from several components; poll it briefly until it holds
+    while any(agent.readiness().values()):  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    log.info("agent ready", status=agent.status, gpus=len(agent.inventory.gpus), debug_port=agent.debug_port)
+    ready.set()
+    await asyncio.Event().wait()
+
+
+async def run_agent(
+    options: RunOptions,
+    *,
+    stop: asyncio.Event,
+    ready: asyncio.Event | None = None,
+    on_agent: Callable[[Agent], None] | None = None,
+) -> None:
+    """Run until ``stop`` is set. Raises AgentError subclasses with one-line messages."""
+    ready = ready or asyncio.Event()
+    loaded = load_config(options.config_path, options.overrides)
+    config = loaded.config
+    node_name = resolve_node_name(config)
+    log.info("starting", version=__version__, node=node_name, config=loaded.source, config_version=loaded.version)
+
+    async with contextlib.AsyncExitStack() as stack:
+        backend = await open_backend(config, node_name=node_name)
+        stack.push_async_callback(backend.close)
+        inventory = await backend.load()
+        log.info("inventory loaded", backend=inventory.backend, gpus=len(inventory.gpus),
+                 driver=inventory.driver_version)
+
+        config_state = ConfigState(loaded)
+        health = HealthMonitor(config=config.health)
+        health.set_inventory(inventory)
+        registry = CollectorRegistry(auto_describe=True)
+        cdi = await _start_cdi(config, inventory, registry)
+        ownership = OwnershipState()
+        plugin = None
+        if config.plugin.enabled and inventory.gpus:
+            plugin = PluginManager(
+                config_state=config_state,
+                inventory=inventory,
+                health=health,
+                ownership=ownership,
+                cdi=cdi,
+                kubelet_root=config.paths.kubelet_root,
+                registry=registry,
+            )
+        agent = Agent(
+            config_state=config_state,
+            node_name=node_name,
+            backend=backend,
+            inventory=inventory,
+            health=health,
+            ownership=ownership,
+            cdi=cdi,
+            plugin=plugin,
+            registry=registry,
+        )
+        ownership.update(agent.compute_ownership(loaded))
+        log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent._owner_counts())
+
+        host, port = parse_host_port(config.debug_addr, "debug_addr")
+        context = DebugContext(
+            state=agent.state,
+            readiness=agent.readiness,
+            status=lambda: agent.status,
+            registry=registry,
+            simulated=agent.simulated_control(),
+        )
+        agent.debug_port = await stack.enter_async_context(serve_debug(context, host, port))
+        if on_agent is not None:
+            on_agent(agent)
+
+        roots: dict[str, Callable[[], Awaitable[None]]] = {
+            "health-watch": agent.watch_health,
+            "config-follow": agent.follow_config,
+            "loop-lag": agent.loop_lag.run,
+            "cdi-reconcile": cdi.run,
+            "ready": lambda: _wait_ready(agent, ready),
+        }
+        if options.config_path is not None:
+            watcher = ConfigWatcher(
+                path=options.config_path, overrides=options.overrides, state=config_state, validate=agent.validate
+            )
+            roots["config-watch"] = watcher.run
+        if plugin is not None:
+            roots["device-plugin"] = plugin.run
+        await _supervise(roots, stop)
+    log.info("stopped")
+
+
+async def _start_cdi(config: Config, inventory: Inventory, registry: CollectorRegistry) -> CdiService | NullCdiService:
+    if not config.cdi.enabled or not inventory.gpus:
+        return NullCdiService()
+    cdi = CdiService(
+        config=config.cdi,
+        cdi_root=config.paths.cdi_root,
+        driver_root=config.paths.driver_root,
+        inventory=inventory,
+        registry=registry,
+    )
+    await cdi.ensure_device_plugin_spec()
+    return cdi
+
+
+async def _supervise(roots: Mapping[str, Callable[[], Awaitable[None]]], stop: asyncio.Event) -> None:
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with asyncio.TaskGroup() as group:
+            for name, work in roots.items():
+                tasks.append(group.create_task(_guard(name, work), name=name))
+            await stop.wait()
+            log.info("stopping")
+            for task in tasks:
+                task.cancel()
+    except* AgentCrashed as crashed:
+        first = crashed.exceptions[0]
+        raise AgentCrashed(str(first)) from first

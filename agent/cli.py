@@ -1,0 +1,236 @@
+"""``gpu-agent``: run the agent, look at the node's devices, check config files.
+
+Every user error ends in one line on stderr (``gpu-agent: error: ...``) and a non-zero
+exit: 2 for a bad config or flag, 1 for anything else. No tracebacks for user errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import structlog
+import typer
+
+from agent import __version__
+from agent.cdi.cli import cdi_app
+from agent.config.loader import build_config, env_overrides, load_config, read_document
+from agent.errors import AgentError, ConfigError
+from agent.logs import configure_logging
+
+app = typer.Typer(
+    name="gpu-agent",
+    help="A Kubernetes node agent serving NVIDIA GPUs through device plugins, DRA and CDI.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Work with config files.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(cdi_app, name="cdi")
+
+log = structlog.get_logger("agent.cli")
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"gpu-agent: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    try:
+        yield
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from None
+    except AgentError as exc:
+        raise fail(str(exc), 1) from None
+
+
+# --- shared options --------------------------------------------------------------
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="Config file (the mounted ConfigMap).", envvar="GPU_AGENT_CONFIG")
+]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="auto | nvml | simulated (default auto).")]
+SimulatedOpt = Annotated[bool, typer.Option("--simulated", help="Shorthand for --backend simulated.")]
+PresetOpt = Annotated[str | None, typer.Option("--preset", help="Simulated node: a preset name or a YAML file.")]
+NodeNameOpt = Annotated[str | None, typer.Option("--node-name", help="This node's name (default: $NODE_NAME).")]
+
+
+def collect_overrides(**flags: Any) -> dict[str, Any]:
+    """Environment overrides, then flags over them (flags win). ``None`` means "not given"."""
+    overrides: dict[str, Any] = env_overrides()
+    if flags.pop("simulated", False):
+        overrides["backend"] = "simulated"
+    for dotted, value in flags.items():
+        if value is not None:
+            overrides[dotted.replace("__", ".")] = str(value) if isinstance(value, Path) else value
+    return overrides
+
+
+def _parse_labels(labels: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--label: expected KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+# --- run ---------------------------------------------------------------------------
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    backend: BackendOpt = None,
+    simulated: SimulatedOpt = False,
+    preset: PresetOpt = None,
+    node_name: NodeNameOpt = None,
+    kubelet_root: Annotated[Path | None, typer.Option(help="Kubelet root directory.")] = None,
+    cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.")] = None,
+    driver_root: Annotated[Path | None, typer.Option(help="Where the NVIDIA driver's files live.")] = None,
+    debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9400).")] = None,
+    kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: in-cluster).")] = None,
+    log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
+) -> None:
+    """Run the agent until SIGTERM or SIGINT."""
+    from agent.app import RunOptions
+
+    overrides = collect_overrides(
+        backend=backend,
+        simulated=simulated,
+        preset=preset,
+        node_name=node_name,
+        paths__kubelet_root=kubelet_root,
+        paths__cdi_root=cdi_root,
+        paths__state_dir=state_dir,
+        paths__driver_root=driver_root,
+        debug_addr=debug_addr,
+        kubeconfig=kubeconfig,
+        log_level=log_level,
+    )
+    configure_logging(str(overrides.get("log_level", "info")))
+    options = RunOptions(config_path=config, overrides=overrides)
+    with user_errors():
+        code = asyncio.run(_run(options))
+    raise typer.Exit(code)
+
+
+async def _run(options: Any) -> int:
+    from agent.app import SHUTDOWN_TIMEOUT_S, run_agent
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen: list[str] = []
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        signals_seen.append(name)
+        if len(signals_seen) > 1:
+            log.warning("second signal, exiting at once", signal=name)
+            os._exit(1)
+        log.info("signal received, shutting down", signal=name)
+        stop.set()
+        # the ultimate deadline: a component that ignores cancellation cannot keep us alive
+        loop.call_later(SHUTDOWN_TIMEOUT_S + 0.8, _hard_exit)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+    await run_agent(options, stop=stop)
+    return 0
+
+
+def _hard_exit() -> None:
+    log.error("shutdown did not finish in time, exiting")
+    logging.shutdown()
+    os._exit(1)
+
+
+# --- inventory ---------------------------------------------------------------------
+
+
+@app.command()
+def inventory(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    config: ConfigOpt = None,
+    backend: BackendOpt = None,
+    simulated: SimulatedOpt = False,
+    preset: PresetOpt = None,
+    node_name: NodeNameOpt = None,
+) -> None:
+    """Print the devices the backend sees."""
+    from agent.app import resolve_node_name
+    from agent.inventory.factory import open_backend
+    from agent.inventory.render import inventory_json, inventory_table
+
+    configure_logging("warning")
+    overrides = collect_overrides(backend=backend, simulated=simulated, preset=preset, node_name=node_name)
+
+    async def load() -> Any:
+        cfg = load_config(config, overrides).config
+        opened = await open_backend(cfg, node_name=resolve_node_name(cfg))
+        try:
+            return await opened.load()
+        finally:
+            await opened.close()
+
+    with user_errors():
+        inv = asyncio.run(load())
+    if as_json:
+        typer.echo(json.dumps(inventory_json(inv), indent=2))
+    else:
+        typer.echo(inventory_table(inv))
+
+
+# --- version -----------------------------------------------------------------------
+
+
+@app.command()
+def version() -> None:
+    """Print the agent's version."""
+    typer.echo(f"gpu-agent {__version__} (python {sys.version.split()[0]})")
+
+
+# --- config check ------------------------------------------------------------------
+
+
+@config_app.command("check")
+def config_check(
+    file: Annotated[Path, typer.Argument(help="Config file to validate.")],
+    node_name: Annotated[str, typer.Option("--node-name", help="Node to evaluate ownership for.")] = "",
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="Node label KEY=VALUE (repeatable).")] = None,
+    simulated: SimulatedOpt = False,
+    preset: PresetOpt = None,
+) -> None:
+    """Validate a config file and print the effective ownership for a node."""
+    from agent.config.check import describe_ownership
+
+    with user_errors():
+        labels = _parse_labels(label or [])
+        overrides: dict[str, Any] = {"node_labels": labels}
+        if node_name:
+            overrides["node_name"] = node_name
+        if simulated or preset:
+            overrides["backend"] = "simulated"
+            if preset:
+                overrides["preset"] = preset
+        cfg = build_config(read_document(file), overrides)
+        typer.echo(f"{file}: valid")
+        typer.echo(asyncio.run(describe_ownership(cfg, node_name=node_name, labels=labels)))
+
+
+def main() -> None:
+    """Console entry point (``gpu-agent`` and ``python -m agent``)."""
+    app()

@@ -1,0 +1,101 @@
+"""Live reload of the config file (a mounted ConfigMap).
+
+The kubelet updates a ConfigMap volume by writing a new timestamped directory and renaming
+the ``..data`` symlink over the old one, so the watcher listens on the directory that holds
+the file, not on the file: any change there triggers a re-read, and a re-read whose bytes
+are unchanged does nothing. A bad update is logged and counted, and the last good config
+stays in force.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from agent.config.loader import LoadedConfig, build_config, config_digest, read_document
+from agent.config.schema import RESTART_ONLY_FIELDS, Config
+from agent.config.state import ConfigState
+from agent.errors import ConfigError
+from agent.fswatch import DirectoryWatcher
+
+log = structlog.get_logger("agent.config")
+
+#: Called with a validated candidate before it is installed; raising ConfigError rejects it
+#: (e.g. an ownership override naming a GPU this node does not have).
+Validator = Callable[[LoadedConfig], None]
+
+
+def keep_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
+    """``new`` with the fields that need a restart taken from ``old``; names those that differed."""
+    changed = [name for name in RESTART_ONLY_FIELDS if getattr(old, name) != getattr(new, name)]
+    if not changed:
+        return new, []
+    kept: dict[str, Any] = {name: getattr(old, name) for name in changed}
+    return dataclasses.replace(new, **kept), changed
+
+
+class ConfigWatcher:
+    def __init__(
+        self,
+        *,
+        path: Path,
+        overrides: Mapping[str, Any],
+        state: ConfigState,
+        validate: Validator,
+        resync_interval_s: float = 30.0,
+    ) -> None:
+        self._path = path
+        self._overrides = dict(overrides)
+        self._state = state
+        self._validate = validate
+        self._resync_interval_s = resync_interval_s
+        self._last_bytes_digest = self._digest_file()
+
+    def _digest_file(self) -> str:
+        try:
+            return hashlib.sha256(self._path.read_bytes()).hexdigest()
+        except OSError as exc:
+            return f"unreadable:{exc.errno}"
+
+    async def run(self) -> None:
+        """Watch until cancelled. Events are the fast path; a slow resync covers missed ones."""
+        async with DirectoryWatcher(self._path.parent) as watcher:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(anext(watcher), timeout=self._resync_interval_s)
+                self.check()
+
+    def check(self) -> bool:
+        """Re-read the file if its bytes changed; returns whether a new config was installed."""
+        digest = self._digest_file()
+        if digest == self._last_bytes_digest:
+            return False
+        self._last_bytes_digest = digest
+        try:
+            candidate = self._load()
+            self._validate(candidate)
+        except ConfigError as exc:
+            self._state.reject(str(exc))
+            log.error("config update rejected, keeping the last good config", error=str(exc),
+                      version=self._state.loaded.version, path=str(self._path))
+            return False
+        installed = self._state.accept(candidate)
+        if installed:
+            log.info("config update applied", version=candidate.version, path=str(self._path))
+        return installed
+
+    def _load(self) -> LoadedConfig:
+        document = read_document(self._path)
+        config = build_config(document, self._overrides)
+        config, restart_only = keep_restart_only(self._state.config, config)
+        if restart_only:
+            log.warning("config fields changed that take effect only on restart; keeping the running values",
+                        fields=restart_only)
+        return LoadedConfig(config=config, version=config_digest(config), source=str(self._path))

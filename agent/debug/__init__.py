@@ -1,0 +1,1 @@
+"""The local debug HTTP endpoint: probes, metrics and state."""
