@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from agent.config.loader import build_config
+from agent.config.schema import HealthConfig
+from agent.health.model import HealthState, Signal, SignalKind
+from agent.health.monitor import HealthMonitor
+from agent.health.policy import classify
+from agent.inventory.model import Gpu, Inventory, MigDevice
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _health(**doc: object) -> HealthConfig:
+    return build_config({"health": doc}).health
+
+
+def _inventory() -> Inventory:
+    mig = MigDevice(uuid="MIG-a", parent_uuid="GPU-1", index=0, gpu_instance_id=1, compute_instance_id=0,
+                    profile="3g.40gb", memory_mib=40000)
+    gpus = (
+        Gpu(uuid="GPU-0", index=0, minor=0, product_name="H100", architecture="hopper", compute_capability="9.0",
+            memory_mib=81559, pci_bus_id="00000000:18:00.0", numa_node=0),
+        Gpu(uuid="GPU-1", index=1, minor=1, product_name="H100", architecture="hopper", compute_capability="9.0",
+            memory_mib=81559, pci_bus_id="00000000:2a:00.0", numa_node=0, mig_enabled=True, mig_devices=(mig,)),
+    )
+    return Inventory(backend="test", driver_version="570", cuda_driver_version="12.8", gpus=gpus)
+
+
+def _monitor(**doc: object) -> tuple[HealthMonitor, FakeClock]:
+    clock = FakeClock()
+    monitor = HealthMonitor(config=_health(**doc), clock=clock, wall=lambda: "t")
+    monitor.set_inventory(_inventory())
+    return monitor, clock
+
+
+def xid(n: int, uuid: str = "GPU-0") -> Signal:
+    return Signal(uuid=uuid, kind=SignalKind.XID, xid=n)
+
+
+def ok(uuid: str = "GPU-0") -> Signal:
+    return Signal(uuid=uuid, kind=SignalKind.CHECK_OK)
+
+
+@pytest.mark.parametrize(
+    ("signal", "fault", "reset"),
+    [
+        (xid(13), False, False),
+        (xid(31), False, False),
+        (xid(43), False, False),
+        (xid(45), False, False),
+        (xid(68), False, False),
+        (xid(109), False, False),
+        (xid(63), True, False),
+        (xid(79), True, True),
+        (xid(48), True, True),
+        (Signal(uuid="GPU-0", kind=SignalKind.ECC_DOUBLE_BIT), True, False),
+        (Signal(uuid="GPU-0", kind=SignalKind.ECC_SINGLE_BIT), False, False),
+        (Signal(uuid="GPU-0", kind=SignalKind.LOST), True, False),
+        (Signal(uuid="GPU-0", kind=SignalKind.GARBAGE, detail="memory total 0"), True, False),
+        (Signal(uuid="GPU-0", kind=SignalKind.INJECTED_FAULT), True, True),
+        (ok(), False, False),
+    ],
+)
+def test_default_policy(signal: Signal, fault: bool, reset: bool) -> None:
+    verdict = classify(signal, HealthConfig(), {}, now=0.0)
+    assert (verdict is not None) == fault
+    if verdict is not None:
+        assert verdict.reset_required == reset
+
+
+def test_count_rule_needs_n_within_window() -> None:
+    config = _health(xids={94: "count 3 within 10s"})
+    times: dict[int, deque[float]] = {}
+    assert classify(xid(94), config, times, now=0.0) is None
+    assert classify(xid(94), config, times, now=5.0) is None
+    assert classify(xid(94), config, times, now=20.0) is None  # the first two fell out of the window
+    assert classify(xid(94), config, times, now=21.0) is None
+    fault = classify(xid(94), config, times, now=22.0)
+    assert fault is not None and "3 times within 10s" in fault.cause
+
+
+def test_ignored_xid_keeps_device_healthy_and_fatal_one_flips_it() -> None:
+    monitor, _ = _monitor()
+    with monitor.changes.subscribe() as changes:
+        monitor.observe(xid(13))
+        assert monitor.state("GPU-0") is HealthState.HEALTHY
+        assert changes.drain() == []
+        monitor.observe(xid(63))
+        assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+        (change,) = changes.drain()
+        assert change.uuid == "GPU-0" and change.new is HealthState.UNHEALTHY and change.xid == 63
+
+
+def test_recovery_after_quiet_period_with_hysteresis() -> None:
+    monitor, clock = _monitor(recovery_quiet_s=30)
+    monitor.observe(xid(63))
+    clock.now += 1
+    monitor.observe(ok())  # first clean check starts the quiet period
+    clock.now += 20
+    monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+    monitor.observe(xid(63))  # flapping: the quiet period starts over
+    clock.now += 25
+    monitor.observe(ok())
+    clock.now += 29
+    monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+    clock.now += 1
+    monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+    record = monitor.record("GPU-0")
+    assert record is not None
+    assert [h.state for h in record.history] == [HealthState.UNHEALTHY, HealthState.UNHEALTHY, HealthState.HEALTHY]
+    assert "recovered after 30s" in record.history[-1].cause
+
+
+def test_reset_required_fault_never_recovers_by_checks() -> None:
+    monitor, clock = _monitor(recovery_quiet_s=0)
+    monitor.observe(xid(79))
+    for _ in range(5):
+        clock.now += 100
+        monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.INJECTED_HEAL))
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+
+
+def test_mig_devices_follow_their_parent() -> None:
+    monitor, _ = _monitor()
+    assert monitor.state("MIG-a") is HealthState.HEALTHY
+    monitor.observe(xid(63, uuid="MIG-a"))  # a fault on the MIG device counts against the GPU
+    assert monitor.state("GPU-1") is HealthState.UNHEALTHY
+    assert monitor.state("MIG-a") is HealthState.UNHEALTHY
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+    assert monitor.state("GPU-unknown") is HealthState.UNKNOWN
+
+
+def test_unknown_device_signals_are_ignored() -> None:
+    monitor, _ = _monitor()
+    monitor.observe(xid(79, uuid="GPU-gone"))
+    assert monitor.counts()[HealthState.HEALTHY] == 2
+
+
+def test_disabled_health_ignores_backend_signals_but_not_operator() -> None:
+    monitor, _ = _monitor(enabled=False)
+    monitor.observe(xid(79))
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.INJECTED_FAULT))
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+
+
+def test_history_is_bounded() -> None:
+    monitor, _ = _monitor(history_size=3)
+    for n in range(10):
+        monitor.observe(xid(60 + n))
+    record = monitor.record("GPU-0")
+    assert record is not None and len(record.history) == 3
+    assert record.history[-1].xid == 69
+    assert monitor.transitions[HealthState.UNHEALTHY] == 1
+
+
+def test_config_update_applies_new_policy() -> None:
+    monitor, _ = _monitor()
+    monitor.update_config(_health(xids={63: "ignore"}))
+    monitor.observe(xid(63))
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+
+
+def test_set_inventory_keeps_records_of_remaining_gpus() -> None:
+    monitor, _ = _monitor()
+    monitor.observe(xid(63))
+    monitor.set_inventory(_inventory())
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
