@@ -33,7 +33,11 @@ def test_full_ownership_shape() -> None:
             "ownership": {
                 "default": "device-plugin",
                 "nodes": [
-                    {"match": {"names": ["gpu-node-7"]}, "default": "dra", "gpus": {"GPU-abc": "device-plugin", 3: "none"}},
+                    {
+                        "match": {"names": ["gpu-node-7"]},
+                        "default": "dra",
+                        "gpus": {"GPU-abc": "device-plugin", 3: "none"},
+                    },
                     {"match": {"labels": {"pool": "a100-dra"}}, "default": "dra"},
                 ],
             }
@@ -97,7 +101,7 @@ def test_bad_override_names_the_field() -> None:
 
 
 def test_read_document_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="cannot read config file .*missing.yaml"):
+    with pytest.raises(ConfigError, match=r"cannot read config file .*missing\.yaml"):
         read_document(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("ownership: [unclosed\n")
