@@ -15,7 +15,7 @@ log = structlog.get_logger("agent.inventory")
 
 
 async def open_backend(config: Config, *, node_name: str | None = None) -> Backend:
-    """An opened backend; raises a BackendError subclass (one-line message) on failure."""
+    """An opened backend; raises an AgentError subclass (one-line message) on failure."""
     backend: Backend
     if config.backend == "simulated":
         from agent.inventory.simulated import SimulatedBackend

@@ -1,0 +1,105 @@
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from agent.config.loader import LoadedConfig, build_config, load_config
+from agent.config.schema import Owner
+from agent.config.state import ConfigState
+from agent.config.watcher import ConfigWatcher, keep_restart_only
+from agent.errors import ConfigError
+
+
+def _watcher(path: Path, validate: object = None, overrides: dict[str, object] | None = None) -> ConfigWatcher:
+    state = ConfigState(load_config(path, overrides))
+
+    def accept_all(loaded: LoadedConfig) -> None:
+        return None
+
+    return ConfigWatcher(path=path, overrides=overrides or {}, state=state, validate=validate or accept_all)  # type: ignore[arg-type]
+
+
+def test_check_applies_changes_and_rejects_bad_ones(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("ownership: {default: device-plugin}\n")
+    watcher = _watcher(path)
+    state = watcher._state
+    assert not watcher.check()  # nothing changed
+
+    path.write_text("ownership: {default: dra}\n")
+    assert watcher.check()
+    assert state.config.ownership.default is Owner.DRA
+    good_version = state.loaded.version
+
+    path.write_text("ownership: {default: maybe}\n")
+    assert not watcher.check()
+    assert "ownership.default" in state.last_error
+    assert state.loaded.version == good_version and state.rejections == 1
+
+    path.unlink()
+    assert not watcher.check()
+    assert "cannot read config file" in state.last_error
+    assert state.config.ownership.default is Owner.DRA
+
+    path.write_text("ownership: {default: none}\n")
+    assert watcher.check()
+    assert state.last_error == "" and state.reloads == 2
+
+
+def test_validator_can_reject(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("{}\n")
+
+    def refuse(loaded: LoadedConfig) -> None:
+        raise ConfigError("ownership.nodes[0].gpus['9']: no GPU with that UUID or index on node 'n'")
+
+    watcher = _watcher(path, refuse)
+    path.write_text("ownership: {default: dra}\n")
+    assert not watcher.check()
+    assert "gpus['9']" in watcher._state.last_error
+
+
+def test_flags_keep_winning_after_reload(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("log_level: info\n")
+    watcher = _watcher(path, overrides={"log_level": "debug"})
+    path.write_text("log_level: warning\nownership: {default: none}\n")
+    assert watcher.check()
+    assert watcher._state.config.log_level == "debug"
+
+
+def test_restart_only_fields_keep_running_values() -> None:
+    old = build_config({"debug_addr": "127.0.0.1:9400", "paths": {"cdi_root": "/a"}})
+    new = build_config({"debug_addr": "127.0.0.1:9500", "paths": {"cdi_root": "/b"}, "ownership": {"default": "dra"}})
+    merged, changed = keep_restart_only(old, new)
+    assert changed == ["debug_addr", "paths"]
+    assert merged.debug_addr == "127.0.0.1:9400" and str(merged.paths.cdi_root) == "/a"
+    assert merged.ownership.default is Owner.DRA
+
+
+async def test_run_notices_a_rewrite(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("ownership: {default: device-plugin}\n")
+    watcher = _watcher(path)
+    with watcher._state.changes.subscribe() as changes:
+        task = asyncio.create_task(watcher.run())
+        try:
+            # the watcher is armed once it runs; keep rewriting until an event arrives
+            async def rewrite_until_seen() -> LoadedConfig:
+                n = 0
+                while True:
+                    n += 1
+                    path.write_text(f"ownership: {{default: dra}}\n# {n}\n")
+                    try:
+                        return await asyncio.wait_for(changes.get(), timeout=0.5)
+                    except TimeoutError:
+                        continue
+
+            loaded = await asyncio.wait_for(rewrite_until_seen(), timeout=5)
+            assert loaded.config.ownership.default is Owner.DRA
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
