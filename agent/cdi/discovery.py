@@ -1,0 +1,352 @@
+"""What the NVIDIA driver under a driver root gives a container: nodes, files, hooks.
+
+The driver root is ``/`` or a driver container's root (e.g. ``/run/nvidia/driver``). Paths
+inside it are what a container sees; the same path prefixed with the root is the host
+path. Device nodes live under the driver root when it has ``dev/nvidiactl``, otherwise
+under the host's ``/dev`` (a driver container creates its nodes on the host).
+
+Required: the root itself, exactly one driver version (``libnvidia-ml.so.<version>``),
+``libcuda.so.<version>`` and ``/dev/nvidiactl``; without one of them
+:class:`DriverDiscoveryError` names the path. Everything else is optional, logged once
+when it goes missing and skipped. A GPU or MIG node that is missing is left out of
+``gpu_nodes``/``cap_nodes``, so no spec names hardware that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import structlog
+
+from agent.cdi import ldcache
+from agent.cdi.errors import DriverDiscoveryError
+from agent.cdi.spec import ContainerEdits, DeviceNode, Hook, Mount
+
+log = structlog.get_logger("agent.cdi")
+
+LIBRARY_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
+    "/lib64",
+    "/usr/lib",
+    "/usr/local/nvidia/lib64",
+)
+UTILITIES = (
+    "nvidia-smi",
+    "nvidia-debugdump",
+    "nvidia-persistenced",
+    "nvidia-cuda-mps-control",
+    "nvidia-cuda-mps-server",
+)
+UTILITY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
+CONTROL_NODES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")  # optional
+CTL_NODE = "/dev/nvidiactl"  # required
+IPC_SOCKETS = ("/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket")
+FIRMWARE_DIRS = ("/lib/firmware/nvidia", "/usr/lib/firmware/nvidia")
+#: host paths of the toolkit's hook binary, in order of preference (runtimes run hooks on the host)
+HOOK_CANDIDATES = (
+    Path("/usr/bin/nvidia-cdi-hook"),
+    Path("/usr/local/bin/nvidia-cdi-hook"),
+    Path("/usr/local/nvidia/toolkit/nvidia-cdi-hook"),
+    Path("/usr/bin/nvidia-ctk"),
+    Path("/usr/local/nvidia/toolkit/nvidia-ctk"),
+)
+READ_ONLY = ("ro", "nosuid", "nodev", "rbind", "rprivate")
+IPC_OPTIONS = (*READ_ONLY, "noexec")
+VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"  # keeps the legacy runtime hook from acting too
+
+_VERSION = r"\d+\.\d+(?:\.\d+)?"
+_ANCHOR = re.compile(rf"^lib(nvidia-ml|cuda)\.so\.({_VERSION})$")
+
+
+def gpu_node_path(minor: int) -> str:
+    return f"/dev/nvidia{minor}"
+
+
+def cap_node_path(minor: int) -> str:
+    return f"/dev/nvidia-caps/nvidia-cap{minor}"
+
+
+@dataclass(frozen=True, slots=True)
+class DriverFiles:
+    """One look at the driver: everything a spec needs, nothing generated yet."""
+
+    driver_root: Path
+    dev_root: Path
+    version: str
+    control_nodes: tuple[DeviceNode, ...]  # nvidiactl first
+    gpu_nodes: Mapping[int, DeviceNode]  # by /dev/nvidia<minor>
+    cap_nodes: Mapping[int, DeviceNode]  # by /dev/nvidia-caps/nvidia-cap<minor>
+    mounts: tuple[Mount, ...]
+    hooks: tuple[Hook, ...]
+    missing: tuple[str, ...] = field(default=())  # optional pieces that were skipped
+
+    def common_edits(self) -> ContainerEdits:
+        """Edits every device of a spec needs: control nodes, libraries, utilities, hooks."""
+        return ContainerEdits(
+            env=(VISIBLE_DEVICES_VOID,),
+            device_nodes=self.control_nodes,
+            mounts=self.mounts,
+            hooks=self.hooks,
+        )
+
+
+def resolve_in_root(root: Path, path: str) -> str | None:
+    """``path`` with symlinks followed as if ``root`` were ``/``; None if it does not exist."""
+    parts = list(PurePosixPath(path).parts[1:])
+    current = PurePosixPath("/")
+    hops = 0
+    while parts:
+        part = parts.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
+        host = root / str(candidate).lstrip("/")
+        try:
+            mode = host.lstat().st_mode
+        except OSError:
+            return None
+        if stat.S_ISLNK(mode):
+            hops += 1
+            if hops > 40:
+                return None
+            target = PurePosixPath(os.readlink(host))
+            if target.is_absolute():
+                current = PurePosixPath("/")
+            parts = list(target.parts[1:] if target.is_absolute() else target.parts) + parts
+            continue
+        current = candidate
+    return str(current)
+
+
+class DriverDiscovery:
+    """Looks at a driver root. Keeps which optional pieces it already reported missing."""
+
+    def __init__(
+        self,
+        driver_root: Path,
+        *,
+        hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
+        machine: str | None = None,
+    ) -> None:
+        self.driver_root = driver_root
+        self._hook_candidates = tuple(hook_candidates)
+        self._machine = machine
+        self._reported: set[str] = set()
+
+    # -- entry point ----------------------------------------------------------------------
+
+    def discover(self, gpu_minors: Iterable[int] = (), cap_minors: Iterable[int] = ()) -> DriverFiles:
+        """Blocking file I/O: call through ``asyncio.to_thread`` from the loop."""
+        root = self.driver_root
+        if not root.is_dir():
+            raise DriverDiscoveryError(f"driver root {root} does not exist or is not a directory")
+        missing: list[str] = []
+        dev_root = root if (root / CTL_NODE.lstrip("/")).exists() else Path("/")
+        libraries, version, links = self._libraries(root)
+        ctl = self._node(dev_root, CTL_NODE)
+        if ctl is None:
+            raise DriverDiscoveryError(f"required device node {dev_root / CTL_NODE.lstrip('/')} is missing")
+        controls = [ctl]
+        for path in CONTROL_NODES:
+            node = self._node(dev_root, path)
+            if node is None:
+                missing.append(str(dev_root / path.lstrip("/")))
+            else:
+                controls.append(node)
+        gpu_nodes = self._nodes(dev_root, {m: gpu_node_path(m) for m in gpu_minors}, missing)
+        cap_nodes = self._nodes(dev_root, {m: cap_node_path(m) for m in cap_minors}, missing)
+        hook = self._hook_binary(missing)
+        mounts = [self._mount(root, p) for p in libraries]
+        if hook is None:  # without the ldcache hook, the SONAME links must arrive as files
+            mounts.extend(self._mount(root, p) for p in links)
+        mounts.extend(self._utilities(root, missing))
+        mounts.extend(self._firmware(root, version, missing))
+        mounts.extend(self._sockets(root, missing))
+        hooks = self._hooks(hook, libraries) if hook is not None else ()
+        self._report(missing)
+        return DriverFiles(
+            driver_root=root,
+            dev_root=dev_root,
+            version=version,
+            control_nodes=tuple(controls),
+            gpu_nodes=gpu_nodes,
+            cap_nodes=cap_nodes,
+            mounts=tuple(mounts),
+            hooks=hooks,
+            missing=tuple(missing),
+        )
+
+    # -- libraries --------------------------------------------------------------------------
+
+    def _cache_paths(self, root: Path) -> list[str]:
+        cache = root / "etc/ld.so.cache"
+        try:
+            data = cache.read_bytes()
+        except OSError:
+            return []
+        try:
+            entries = ldcache.native_libraries(ldcache.parse(data), self._machine)
+        except ldcache.LdCacheError as exc:
+            log.warning("cdi.ldcache_unreadable", path=str(cache), error=str(exc), action="scanning library dirs")
+            return []
+        return [e.path for e in entries]
+
+    def _libraries(self, root: Path) -> tuple[list[str], str, list[str]]:
+        """(versioned driver libraries, the driver version, links to them) as container paths."""
+        cached = self._cache_paths(root)
+        dirs: list[str] = []
+        for path in cached:
+            name = PurePosixPath(path).name
+            if name.startswith(("libnvidia-ml.so", "libcuda.so")):
+                real = resolve_in_root(root, path)
+                if real is not None:
+                    dirs.append(str(PurePosixPath(real).parent))
+        if not dirs:  # no cache, or a cache that does not know the driver: scan the usual places
+            dirs = [d for d in LIBRARY_DIRS if resolve_in_root(root, d) is not None]
+        dirs = list(dict.fromkeys(resolve_in_root(root, d) or d for d in dirs))
+        listing: dict[str, list[str]] = {}
+        for d in dirs:
+            try:
+                listing[d] = sorted(os.listdir(root / d.lstrip("/")))
+            except OSError:
+                continue
+        versions = {m.group(2) for names in listing.values() for n in names if (m := _ANCHOR.match(n))}
+        if not versions:
+            looked = ", ".join(str(root / d.lstrip("/")) for d in listing) or f"{root} (no library directories)"
+            raise DriverDiscoveryError(f"no NVIDIA driver libraries (libnvidia-ml.so.<version>) found in {looked}")
+        if len(versions) > 1:
+            raise DriverDiscoveryError(
+                f"driver root {root} holds more than one NVIDIA driver version ({', '.join(sorted(versions))}); "
+                "remove the stale one or point paths.driver_root at one driver"
+            )
+        version = versions.pop()
+        suffix = f".so.{version}"
+        libraries = [
+            f"{d}/{n}" for d, names in listing.items() for n in names if n.startswith("lib") and n.endswith(suffix)
+        ]
+        libraries += [p for p in cached if p.endswith(suffix) and p not in libraries]
+        real_files = {resolve_in_root(root, p) for p in libraries}
+        libraries = [p for p in libraries if resolve_in_root(root, p) == p]  # the files, not links to them
+        for required in ("libnvidia-ml", "libcuda"):
+            if not any(PurePosixPath(p).name == f"{required}{suffix}" for p in libraries):
+                where = ", ".join(str(root / d.lstrip("/")) for d in listing)
+                raise DriverDiscoveryError(f"required driver library {required}{suffix} not found in {where}")
+        candidates = [f"{d}/{n}" for d, names in listing.items() for n in names] + cached
+        links = sorted(
+            {p for p in candidates if p not in libraries and ".so" in p and resolve_in_root(root, p) in real_files}
+        )
+        return sorted(set(libraries)), version, links
+
+    # -- other files ------------------------------------------------------------------------
+
+    def _mount(self, root: Path, path: str, options: tuple[str, ...] = READ_ONLY) -> Mount:
+        real = resolve_in_root(root, path) or path
+        return Mount(host_path=str(root / real.lstrip("/")), container_path=path, options=options)
+
+    def _utilities(self, root: Path, missing: list[str]) -> list[Mount]:
+        out: list[Mount] = []
+        for name in UTILITIES:
+            for d in UTILITY_DIRS:
+                path = f"{d}/{name}"
+                real = resolve_in_root(root, path)
+                if real is not None and (root / real.lstrip("/")).is_file():
+                    out.append(self._mount(root, path))
+                    break
+            else:
+                missing.append(f"{root / 'usr/bin' / name}")
+        return out
+
+    def _firmware(self, root: Path, version: str, missing: list[str]) -> list[Mount]:
+        for base in FIRMWARE_DIRS:
+            directory = f"{base}/{version}"
+            real = resolve_in_root(root, directory)
+            if real is None:
+                continue
+            files = sorted(p.name for p in (root / real.lstrip("/")).glob("gsp*.bin") if p.is_file())
+            if files:
+                return [self._mount(root, f"{directory}/{name}") for name in files]
+        missing.append(str(root / FIRMWARE_DIRS[0].lstrip("/") / version / "gsp*.bin"))
+        return []
+
+    def _sockets(self, root: Path, missing: list[str]) -> list[Mount]:
+        out: list[Mount] = []
+        for path in IPC_SOCKETS:
+            for prefix in ("", "/var"):
+                if resolve_in_root(root, prefix + path) is not None:
+                    out.append(self._mount(root, prefix + path, IPC_OPTIONS))
+                    break
+            else:
+                missing.append(str(root / path.lstrip("/")))
+        return out
+
+    def _hook_binary(self, missing: list[str]) -> Path | None:
+        for candidate in self._hook_candidates:
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+        missing.extend(str(c) for c in self._hook_candidates[:1])
+        return None
+
+    @staticmethod
+    def _hooks(binary: Path, libraries: list[str]) -> tuple[Hook, ...]:
+        argv0 = binary.name
+        prefix = (argv0, "hook") if argv0 == "nvidia-ctk" else (argv0,)
+        hooks: list[Hook] = []
+        cuda = [p for p in libraries if PurePosixPath(p).name.startswith("libcuda.so.")]
+        if cuda:
+            link = f"libcuda.so.1::{PurePosixPath(cuda[0]).parent}/libcuda.so"
+            hooks.append(Hook("createContainer", str(binary), (*prefix, "create-symlinks", "--link", link)))
+        folders: list[str] = []
+        for d in dict.fromkeys(str(PurePosixPath(p).parent) for p in libraries):
+            folders += ["--folder", d]
+        hooks.append(Hook("createContainer", str(binary), (*prefix, "update-ldcache", *folders)))
+        return tuple(hooks)
+
+    # -- device nodes -----------------------------------------------------------------------
+
+    @staticmethod
+    def _node(dev_root: Path, path: str) -> DeviceNode | None:
+        host = dev_root / path.lstrip("/")
+        try:
+            st = host.stat()
+        except OSError:
+            return None
+        if stat.S_ISCHR(st.st_mode):
+            kind = "c"
+        elif stat.S_ISBLK(st.st_mode):
+            kind = "b"
+        else:
+            return None
+        host_path = str(host) if str(host) != path else None
+        return DeviceNode(
+            path=path, host_path=host_path, type=kind, major=os.major(st.st_rdev), minor=os.minor(st.st_rdev)
+        )
+
+    def _nodes(self, dev_root: Path, wanted: Mapping[int, str], missing: list[str]) -> dict[int, DeviceNode]:
+        out: dict[int, DeviceNode] = {}
+        for minor, path in sorted(wanted.items()):
+            node = self._node(dev_root, path)
+            if node is None:
+                missing.append(str(dev_root / path.lstrip("/")))
+            else:
+                out[minor] = node
+        return out
+
+    def _report(self, missing: list[str]) -> None:
+        now = set(missing)
+        for path in sorted(now - self._reported):
+            log.warning("cdi.optional_missing", path=path, action="skipped")
+        for path in sorted(self._reported - now):
+            log.info("cdi.optional_found", path=path)
+        self._reported = now

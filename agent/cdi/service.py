@@ -1,0 +1,303 @@
+"""The CDI facade the device plugin and DRA call; the only writer of spec files.
+
+Contract for callers:
+
+* ``device_name`` / ``index_device_name`` answer from the inventory (no I/O) the qualified
+  names of the device plugin spec; ``ensure_device_plugin_spec`` makes sure the file exists
+  before the first Allocate answer hands such a name out.
+* ``prepare_claim`` writes the claim's transient spec before returning its names;
+  ``unprepare_claim`` removes it. Both are idempotent and serialised with the reconciler
+  by one lock; file I/O runs in worker threads.
+* ``run`` reconciles at start and then every ``reconcile_interval_s`` (sooner after
+  ``update_inventory``), repairing deleted, drifted and orphaned files. It never ends by
+  itself; errors are logged, counted and shown on ``debug_state``, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from agent.cdi import generate
+from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
+from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
+from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
+from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
+from agent.cdi.writer import SpecWriter
+from agent.config.schema import CdiConfig
+from agent.inventory.model import Inventory
+
+log = structlog.get_logger("agent.cdi")
+
+#: answers "which claims are prepared, with which devices" (the DRA checkpoint)
+PreparedClaims = Callable[[], Mapping[str, Sequence[str]]]
+
+
+class CdiProvider(Protocol):
+    """What the device plugin and DRA code against (CdiService or NullCdiService)."""
+
+    def device_name(self, device_uuid: str) -> str: ...
+
+    def index_device_name(self, index: str) -> str: ...
+
+    async def ensure_device_plugin_spec(self) -> None: ...
+
+    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]: ...
+
+    async def unprepare_claim(self, claim_uid: str) -> None: ...
+
+    def set_prepared_claims(self, source: PreparedClaims) -> None: ...
+
+    def update_inventory(self, inventory: Inventory) -> None: ...
+
+    async def run(self) -> None: ...
+
+    def debug_state(self) -> dict[str, object]: ...
+
+
+class CdiService:
+    def __init__(
+        self,
+        *,
+        config: CdiConfig,
+        cdi_root: Path,
+        driver_root: Path,
+        inventory: Inventory,
+        registry: CollectorRegistry | None = None,
+        hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
+    ) -> None:
+        self._config = config
+        self._inventory = inventory
+        self._cdi_root = cdi_root
+        self._driver_root = driver_root
+        self._writer = SpecWriter(cdi_root, (config.device_plugin_kind, config.claim_kind))
+        self._reconciler = Reconciler(
+            writer=self._writer,
+            discovery=DriverDiscovery(driver_root, hook_candidates=hook_candidates),
+            device_plugin_kind=config.device_plugin_kind,
+            claim_kind=config.claim_kind,
+        )
+        self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._claims: dict[str, tuple[str, ...]] = {}  # prepared through this service
+        self._unprepared: set[str] = set()  # until the external source forgets them too
+        self._source: PreparedClaims | None = None
+        self._skipped: frozenset[str] = frozenset()
+        self._last: ReconcileReport | None = None
+        self._passes = 0
+        self._last_error: str | None = None
+        self._repair_totals: dict[str, int] = dict.fromkeys(ACTIONS, 0)
+        registry = registry if registry is not None else CollectorRegistry()
+        self._repairs = Counter(
+            "gpu_agent_cdi_repairs", "CDI spec files the reconciler repaired", ["action"], registry=registry
+        )
+        for action in ACTIONS:
+            self._repairs.labels(action=action)
+        self._errors = Counter(
+            "gpu_agent_cdi_reconcile_errors", "CDI reconcile passes that hit an error", registry=registry
+        )
+        self._owned_gauge = Gauge("gpu_agent_cdi_spec_files", "CDI spec files the agent owns", registry=registry)
+
+    # -- names --------------------------------------------------------------------------------
+
+    def device_name(self, device_uuid: str) -> str:
+        """``vendor/class=name`` of a GPU or MIG device in the device plugin spec."""
+        inv = self._inventory
+        if inv.find_mig(device_uuid) is None and not any(g.uuid == device_uuid for g in inv):
+            raise UnknownCdiDeviceError(f"device {device_uuid!r} is not on this node")
+        return self._checked_name(device_uuid)
+
+    def index_device_name(self, index: str) -> str:
+        """The same for ``"<gpu index>"`` or ``"<gpu index>:<mig index>"``, or ``"all"``."""
+        gpu_index, _, mig_index = index.partition(":")
+        gpu = self._inventory.find(gpu_index) if gpu_index.isdigit() else None
+        if index == generate.ALL_DEVICES and len(self._inventory):
+            return qualified_name(self._config.device_plugin_kind, index)
+        if gpu is None or (mig_index and not any(str(m.index) == mig_index for m in gpu.mig_devices)):
+            raise UnknownCdiDeviceError(f"no device with index {index!r} on this node")
+        uuid = gpu.uuid if not mig_index else next(m.uuid for m in gpu.mig_devices if str(m.index) == mig_index)
+        self._checked_name(uuid)
+        return qualified_name(self._config.device_plugin_kind, index)
+
+    def _checked_name(self, uuid: str) -> str:
+        if uuid in self._skipped:
+            raise UnknownCdiDeviceError(f"device {uuid!r} is left out of the CDI spec: its device nodes are missing")
+        return qualified_name(self._config.device_plugin_kind, device_part(uuid))
+
+    # -- device plugin spec -------------------------------------------------------------------
+
+    async def ensure_device_plugin_spec(self) -> None:
+        """Write (or repair) the device plugin spec now; raises on failure. Idempotent."""
+        async with self._lock:
+            await asyncio.to_thread(self._sync_device_plugin, self._inventory)
+
+    def _sync_device_plugin(self, inventory: Inventory) -> None:
+        name = spec_file_name(self._config.device_plugin_kind)
+        if not len(inventory):
+            self._writer.remove(name)
+            return
+        driver = self._reconciler.discover(inventory)
+        plugin = generate.device_plugin_spec(self._config.device_plugin_kind, inventory, driver)
+        self._skipped = frozenset(s.partition(":")[0] for s in plugin.skipped)
+        if plugin.spec is None:
+            self._writer.remove(name)
+            raise DriverDiscoveryError(f"no GPU of this node has its device nodes: {'; '.join(plugin.skipped)}")
+        if self._writer.write(name, plugin.spec):
+            log.info("cdi.spec_written", file=name, devices=len(plugin.spec.devices), driver=driver.version)
+
+    # -- claims ---------------------------------------------------------------------------------
+
+    def set_prepared_claims(self, source: PreparedClaims) -> None:
+        """Let DRA answer which claims are prepared (used by the reconciler from now on)."""
+        self._source = source
+
+    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
+        """Write the claim's spec and return one qualified name per device, in order."""
+        check_claim_uid(claim_uid)
+        if not devices:
+            raise CdiError(f"claim {claim_uid}: no devices to prepare")
+        async with self._lock:
+            names = await asyncio.to_thread(self._write_claim, claim_uid, tuple(devices), self._inventory)
+            self._claims[claim_uid] = tuple(devices)
+            self._unprepared.discard(claim_uid)
+        return names
+
+    def _write_claim(self, claim_uid: str, devices: tuple[str, ...], inventory: Inventory) -> list[str]:
+        kind = self._config.claim_kind
+        driver = self._reconciler.discover(inventory)
+        claim = generate.claim_spec(kind, claim_uid, devices, inventory, driver)
+        if claim.skipped or claim.spec is None:
+            raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
+        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec)
+        return [qualified_name(kind, claim.names[d]) for d in devices]
+
+    async def unprepare_claim(self, claim_uid: str) -> None:
+        """Remove the claim's spec; a claim never prepared (or already gone) is fine."""
+        check_claim_uid(claim_uid)
+        async with self._lock:
+            await asyncio.to_thread(self._writer.remove, transient_spec_file_name(self._config.claim_kind, claim_uid))
+            self._claims.pop(claim_uid, None)
+            if self._source is not None:
+                self._unprepared.add(claim_uid)
+
+    def prepared_claims(self) -> dict[str, tuple[str, ...]]:
+        """The external source's claims, plus ours (prepare writes CDI before the checkpoint)."""
+        out: dict[str, tuple[str, ...]] = {}
+        if self._source is not None:
+            external = {uid: tuple(devs) for uid, devs in self._source().items()}
+            self._unprepared &= set(external)  # forgotten by the source: the tombstone can go
+            out.update({uid: devs for uid, devs in external.items() if uid not in self._unprepared})
+        out.update(self._claims)
+        return out
+
+    # -- reconciling ----------------------------------------------------------------------------
+
+    def update_inventory(self, inventory: Inventory) -> None:
+        """A new inventory (MIG change, driver upgrade): the next pass runs at once."""
+        self._inventory = inventory
+        self._kick.set()
+
+    async def reconcile_once(self) -> ReconcileReport:
+        async with self._lock:
+            claims = self.prepared_claims()
+            report = await asyncio.to_thread(self._reconciler.reconcile, self._inventory, claims)
+            self._skipped = frozenset(s.partition(":")[0] for s in report.skipped)
+        self._record(report)
+        return report
+
+    def _record(self, report: ReconcileReport) -> None:
+        self._last = report
+        self._passes += 1
+        for repair in report.repairs:
+            self._repairs.labels(action=repair.action).inc()
+            self._repair_totals[repair.action] += 1
+        self._owned_gauge.set(len(report.owned))
+        if report.errors:
+            self._errors.inc()
+            self._last_error = "; ".join(report.errors)
+            log.warning("cdi.reconcile_failed", errors=list(report.errors))
+
+    async def run(self) -> None:
+        """Reconcile now and then every interval until cancelled."""
+        interval = self._config.reconcile_interval_s
+        while True:
+            self._kick.clear()
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep the loop alive; the next pass may succeed
+                self._errors.inc()
+                self._last_error = f"reconcile crashed: {exc!r}"
+                log.exception("cdi.reconcile_crashed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=interval)
+
+    def debug_state(self) -> dict[str, object]:
+        last = self._last
+        return {
+            "enabled": True,
+            "cdi_root": str(self._cdi_root),
+            "driver_root": str(self._driver_root),
+            "driver_version": last.driver_version if last else None,
+            "files": list(last.owned) if last else [],
+            "claims": sorted(self.prepared_claims()),
+            "skipped_devices": list(last.skipped) if last else [],
+            "last_reconcile": last.at if last else None,
+            "reconcile_passes": self._passes,
+            "last_repairs": [r.as_dict() for r in last.repairs] if last else [],
+            "repairs_total": dict(self._repair_totals),
+            "last_errors": list(last.errors) if last else [],
+            "last_error": self._last_error,
+        }
+
+
+class NullCdiService:
+    """CDI switched off (``cdi.enabled: false``): writes nothing, knows no device names."""
+
+    def device_name(self, device_uuid: str) -> str:
+        raise UnknownCdiDeviceError("CDI is disabled (cdi.enabled: false)")
+
+    def index_device_name(self, index: str) -> str:
+        raise UnknownCdiDeviceError("CDI is disabled (cdi.enabled: false)")
+
+    async def ensure_device_plugin_spec(self) -> None:
+        return None
+
+    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
+        return []
+
+    async def unprepare_claim(self, claim_uid: str) -> None:
+        return None
+
+    def set_prepared_claims(self, source: PreparedClaims) -> None:
+        return None
+
+    def update_inventory(self, inventory: Inventory) -> None:
+        return None
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
+
+    def debug_state(self) -> dict[str, object]:
+        return {"enabled": False}
+
+
+def create_cdi_service(
+    *,
+    config: CdiConfig,
+    cdi_root: Path,
+    driver_root: Path,
+    inventory: Inventory,
+    registry: CollectorRegistry | None = None,
+) -> CdiProvider:
+    """The composition root's one call: the real service, or the null one when disabled."""
+    if not config.enabled:
+        return NullCdiService()
+    return CdiService(config=config, cdi_root=cdi_root, driver_root=driver_root, inventory=inventory, registry=registry)

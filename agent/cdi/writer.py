@@ -1,0 +1,221 @@
+"""Putting spec files into the CDI directory without ever damaging what is there.
+
+* Writes are atomic: a hidden temp file in the same directory (runtimes only read names
+  ending in ``.json``/``.yaml``), fsync, rename over the target, fsync the directory. A
+  failed write (read-only, full disk) leaves the previous file as it was.
+* Files are 0644, a directory the writer creates is 0755.
+* The writer owns exactly the files named after its kinds (``<vendor>-<class>.json`` and
+  ``<vendor>-<class>_<id>.json``); it refuses to write or remove any other name, and it
+  refuses to replace or follow a symlink (or anything not a regular file) at a target.
+* Before writing it reads every other spec in the directory: a file that already defines
+  one of the new spec's qualified names would make the runtime drop both, so the write is
+  refused with a SpecConflictError naming that file.
+
+All methods block (file I/O); the service calls them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from agent.cdi import spec as cdi_spec
+from agent.cdi.errors import InvalidSpecError, SpecConflictError, SpecWriteError
+from agent.cdi.names import SPEC_SUFFIX, SPEC_SUFFIXES, spec_file_name, transient_prefix
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+_TMP_MARK = ".tmp-"
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno == errno.EROFS:
+        return "the file system is read-only"
+    if exc.errno == errno.ENOSPC:
+        return "no space left on device"
+    return exc.strerror or str(exc)
+
+
+def ensure_directory(directory: Path) -> None:
+    if directory.is_dir():
+        return
+    if directory.exists() or directory.is_symlink():
+        raise SpecWriteError(f"CDI directory {directory} exists but is not a directory")
+    try:
+        directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is filtered by the umask
+    except OSError as exc:
+        raise SpecWriteError(f"cannot create CDI directory {directory}: {_reason(exc)}") from exc
+
+
+def check_target(path: Path) -> bool:
+    """True if ``path`` is a regular file, False if absent; SpecWriteError for anything else."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise SpecWriteError(f"cannot inspect {path}: {_reason(exc)}") from exc
+    if stat.S_ISLNK(mode):
+        raise SpecWriteError(f"refusing to touch {path}: it is a symlink (planted by someone else?)")
+    if not stat.S_ISREG(mode):
+        raise SpecWriteError(f"refusing to touch {path}: it is not a regular file")
+    return True
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
+    """Replace ``path`` with ``data`` atomically; on failure the old file is untouched."""
+    check_target(path)
+    directory = path.parent
+    tmp = directory / f".{path.name}{_TMP_MARK}{secrets.token_hex(4)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
+    try:
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
+    _fsync_directory(directory)
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the rename is done either way
+    finally:
+        os.close(fd)
+
+
+def read_spec_file(path: Path) -> cdi_spec.Spec:
+    """Parse a spec file (JSON or YAML by extension); InvalidSpecError when it does not parse."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidSpecError(f"cannot read: {exc}") from exc
+    return cdi_spec.loads(text, yaml_format=path.suffix == ".yaml")
+
+
+def spec_files(directory: Path) -> list[Path]:
+    """Files a runtime would load from ``directory`` (no recursion, .json and .yaml only)."""
+    try:
+        entries = sorted(directory.iterdir())
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise SpecWriteError(f"cannot list CDI directory {directory}: {_reason(exc)}") from exc
+    return [p for p in entries if p.suffix in SPEC_SUFFIXES and not p.is_dir()]
+
+
+class SpecWriter:
+    """The agent's hand in one CDI directory, limited to the files of its own kinds."""
+
+    def __init__(self, directory: Path, kinds: Iterable[str]) -> None:
+        self.directory = directory
+        kinds = tuple(kinds)
+        self._exact = {spec_file_name(k) for k in kinds}
+        self._prefixes = tuple(transient_prefix(k) for k in kinds)
+
+    def owns(self, name: str) -> bool:
+        if name in self._exact:
+            return True
+        return name.endswith(SPEC_SUFFIX) and name.startswith(self._prefixes) and "/" not in name
+
+    def _path(self, name: str) -> Path:
+        if not self.owns(name):
+            raise SpecWriteError(f"refusing to touch {self.directory / name}: not a file this agent owns")
+        return self.directory / name
+
+    def owned_files(self) -> list[str]:
+        """Names of the files in the directory that belong to the agent."""
+        return [p.name for p in spec_files(self.directory) if self.owns(p.name)]
+
+    def read(self, name: str) -> bytes | None:
+        """The current content, None if absent; SpecWriteError for a symlink or non-file."""
+        path = self._path(name)
+        if not check_target(path):
+            return None
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SpecWriteError(f"cannot read {path}: {_reason(exc)}") from exc
+
+    def write(self, name: str, spec: cdi_spec.Spec) -> bool:
+        """Put ``spec`` at ``name``; False when the file already held exactly this. Validates first."""
+        path = self._path(name)
+        cdi_spec.check(spec)
+        data = cdi_spec.dumps(spec).encode()
+        ensure_directory(self.directory)
+        if self.read(name) == data:
+            return False
+        self._check_conflicts(name, spec)
+        atomic_write(path, data)
+        return True
+
+    def remove(self, name: str) -> bool:
+        """Delete an owned file; False when it was already gone (idempotent)."""
+        path = self._path(name)
+        if not check_target(path):
+            return False
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise SpecWriteError(f"cannot remove {path}: {_reason(exc)}") from exc
+        _fsync_directory(self.directory)
+        return True
+
+    def remove_stale_temp_files(self) -> list[str]:
+        """Temp files of writes that crashed midway (ours only); returns what was removed."""
+        removed: list[str] = []
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:
+            return removed
+        for entry in entries:
+            base, mark, _ = entry.name.partition(_TMP_MARK)
+            if mark and base.startswith(".") and self.owns(base[1:]) and not entry.is_symlink():
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+                    removed.append(entry.name)
+        return removed
+
+    def _check_conflicts(self, name: str, spec: cdi_spec.Spec) -> None:
+        ours = set(spec.qualified_names())
+        for path in spec_files(self.directory):
+            if path.name == name:
+                continue
+            try:
+                theirs = set(read_spec_file(path).qualified_names())
+            except InvalidSpecError:
+                continue  # the runtime skips an unparseable file too
+            clash = sorted(ours & theirs)
+            if clash:
+                more = f" and {len(clash) - 3} more" if len(clash) > 3 else ""
+                raise SpecConflictError(
+                    f"cannot write {self.directory / name}: {path} already defines {', '.join(clash[:3])}{more}; "
+                    "the runtime would drop both (remove or rename that file)"
+                )

@@ -1,0 +1,190 @@
+"""A real CDI consumer: Debian's podman runs a busybox container with devices from our specs.
+
+The specs come from the agent's own code path (CdiService over a fake driver root whose
+nodes have /dev/null's numbers). podman only reads /etc/cdi and /var/run/cdi, so each run
+happens in a private mount namespace with the test's spec directory bound over /etc/cdi
+and an empty one over /var/run/cdi; nothing of the host's CDI setup is seen or changed.
+Settings this sandbox needs are in shared/reference/cdi-real-consumer.md.
+
+Skips when podman is missing, except under CI=true, where a missing tool is a failure
+(.ci/install-podman.sh installs what this needs).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import resource
+import shutil
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from agent.cdi.service import CdiService
+from agent.config.schema import CdiConfig
+from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
+
+pytestmark = pytest.mark.podman
+
+IMAGE = "localhost/gpu-agent-cdi-test:latest"
+TOOLS = ("podman", "runc", "unshare", "mount")
+BUSYBOX = "/bin/busybox"
+RUN_TIMEOUT_S = 60
+
+
+def _require_tools() -> None:
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if not Path(BUSYBOX).is_file():
+        missing.append(BUSYBOX)
+    problem = f"missing {', '.join(missing)} (run .ci/install-podman.sh)" if missing else ""
+    if not problem and os.geteuid() != 0:
+        problem = "needs root (mknod, mount namespaces)"
+    if problem:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"podman CDI test cannot run under CI=true: {problem}")
+        pytest.skip(problem)
+
+
+def _limit(which: int, cap: int) -> int:
+    hard = resource.getrlimit(which)[1]
+    return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+
+
+@dataclass
+class Podman:
+    base: Path
+    env: dict[str, str]
+
+    def run_in_namespace(self, cdi_dir: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+        """``podman ARGS`` seeing only ``cdi_dir`` as /etc/cdi and nothing in /var/run/cdi."""
+        empty = self.base / "empty-cdi"
+        empty.mkdir(exist_ok=True)
+        script = 'mount --bind "$1" /etc/cdi && mount --bind "$2" /var/run/cdi && shift 2 && exec podman "$@"'
+        cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", str(cdi_dir), str(empty), *args]
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+
+
+def _busybox_tar() -> bytes:
+    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for directory in ("bin", "etc", "dev", "proc", "sys", "tmp", "root"):
+            info = tarfile.TarInfo(directory)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        tar.add(BUSYBOX, arcname="bin/busybox")
+        for applet in applets:
+            if applet != "busybox":
+                info = tarfile.TarInfo(f"bin/{applet}")
+                info.type, info.linkname = tarfile.SYMTYPE, "busybox"
+                tar.addfile(info)
+        passwd = b"root:x:0:0:root:/root:/bin/sh\n"
+        info = tarfile.TarInfo("etc/passwd")
+        info.size = len(passwd)
+        tar.addfile(info, io.BytesIO(passwd))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
+    _require_tools()
+    base = tmp_path_factory.mktemp("podman")
+    made = [p for p in (Path("/etc/cdi"), Path("/var/run/cdi")) if not p.exists()]
+    for path in made:  # mount points for the bind mounts; removed again below
+        path.mkdir(parents=True)
+    nofile = _limit(resource.RLIMIT_NOFILE, 1048576)
+    nproc = _limit(resource.RLIMIT_NPROC, int(Path("/proc/sys/kernel/pid_max").read_text()))
+    (base / "containers.conf").write_text(
+        "[containers]\n"
+        'netns = "none"\n'
+        'log_driver = "k8s-file"\n'
+        f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc={nproc}:{nproc}"]\n'
+        "[engine]\n"
+        'cgroup_manager = "cgroupfs"\n'
+        'events_logger = "file"\n'
+        'runtime = "runc"\n'
+        f'tmp_dir = "{base / "tmp"}"\n'
+    )
+    (base / "storage.conf").write_text(
+        f'[storage]\ndriver = "vfs"\ngraphroot = "{base / "graph"}"\nrunroot = "{base / "run"}"\n'
+    )
+    env = {
+        **os.environ,
+        "CONTAINERS_CONF": str(base / "containers.conf"),
+        "CONTAINERS_STORAGE_CONF": str(base / "storage.conf"),
+    }
+    imported = subprocess.run(
+        ["podman", "import", "-", IMAGE], input=_busybox_tar(), env=env, capture_output=True, timeout=RUN_TIMEOUT_S
+    )
+    assert imported.returncode == 0, imported.stderr.decode()
+    try:
+        yield Podman(base=base, env=env)
+    finally:
+        for path in made:
+            if path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+
+
+CHECK_SCRIPT = f"""
+set -e
+test -c /dev/nvidia0 && echo "node0 $(stat -c '%t:%T' /dev/nvidia0)"
+test -c /dev/nvidiactl && echo "ctl $(stat -c '%t:%T' /dev/nvidiactl)"
+test -e /dev/nvidia1 && echo "node1 present" || echo "node1 absent"
+echo "env NVIDIA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES"
+echo "lib $(cat {LIB_DIR}/libcuda.so.{VERSION})"
+echo "smi $(test -x /usr/bin/nvidia-smi && echo ok)"
+echo "fw $(cat /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin)"
+"""
+
+
+async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Path) -> None:
+    driver = FakeDriver(tmp_path / "driver").build()  # every node: c 1:3, like /dev/null
+    hook_log = tmp_path / "hook.log"
+    cdi_dir = tmp_path / "cdi"
+    service = CdiService(
+        config=CdiConfig(),
+        cdi_root=cdi_dir,
+        driver_root=driver.root,
+        inventory=inventory(2),
+        hook_candidates=[fake_hook(tmp_path / "hook", hook_log)],
+    )
+    await service.ensure_device_plugin_spec()
+    claim_names = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
+    gpu0 = service.device_name(inventory(2).gpus[0].uuid)
+    timings: dict[str, float] = {}
+
+    for label, device in (("device-plugin", gpu0), ("claim", claim_names[0])):
+        started = time.monotonic()
+        result = podman.run_in_namespace(
+            cdi_dir, ["run", "--rm", "--network", "none", "--device", device, IMAGE, "sh", "-c", CHECK_SCRIPT]
+        )
+        timings[label] = time.monotonic() - started
+        assert result.returncode == 0, f"{label} {device}: {result.stderr}\n{result.stdout}"
+        out = result.stdout.splitlines()
+        assert "node0 1:3" in out, out
+        assert "ctl 1:3" in out, out
+        assert "node1 absent" in out, out  # only the requested GPU
+        assert "env NVIDIA_VISIBLE_DEVICES=void" in out, out
+        assert f"lib libcuda {VERSION}" in out, out
+        assert "smi ok" in out, out
+        assert "fw firmware" in out, out
+    hooks = hook_log.read_text().splitlines()
+    assert any(line.startswith("update-ldcache --folder") for line in hooks), hooks
+    print(f"podman run timings: {timings}")
+
+
+def test_podman_rejects_unknown_device(podman: Podman, tmp_path: Path) -> None:
+    """The negative control: a name no spec defines does not resolve (so the test above means something)."""
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    result = podman.run_in_namespace(
+        cdi_dir,
+        ["run", "--rm", "--network", "none", "--device", "k8s.gpu-node-agent.nvidia.com/gpu=nope", IMAGE, "true"],
+    )
+    assert result.returncode != 0
+    assert "unresolvable CDI devices" in result.stderr

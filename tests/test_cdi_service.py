@@ -1,0 +1,312 @@
+"""CdiService and its reconciler: the API both mechanisms use, and repairs within one period."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent.cdi import spec as s
+from agent.cdi.errors import DriverDiscoveryError, InvalidNameError, UnknownCdiDeviceError
+from agent.cdi.service import CdiService, NullCdiService, create_cdi_service
+from agent.config.schema import CdiConfig
+from tests.cdi_fixtures import LIB_DIR, NEW_VERSION, VERSION, FakeDriver, inventory, mig
+
+DP_FILE = "k8s.gpu-node-agent.nvidia.com-gpu.json"
+UID = "0e3f1a2b-aaaa-bbbb-cccc-000000000001"
+CLAIM_FILE = f"k8s.gpu-node-agent.nvidia.com-claim_{UID}.json"
+PERIOD = 0.2  # reconcile interval in these tests
+SLACK = 0.5  # one pass takes milliseconds; this covers a slow CI machine
+
+
+@pytest.fixture
+def driver(tmp_path: Path) -> FakeDriver:
+    return FakeDriver(tmp_path / "driver", cap_minors=(21, 22)).build()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def make_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry, n_gpus: int = 2) -> CdiService:
+    return CdiService(
+        config=CdiConfig(reconcile_interval_s=PERIOD),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=inventory(n_gpus),
+        registry=registry,
+        hook_candidates=[],
+    )
+
+
+def load(path: Path) -> s.Spec:
+    return s.loads(path.read_text())
+
+
+def repairs(registry: CollectorRegistry, action: str) -> float:
+    return registry.get_sample_value("gpu_agent_cdi_repairs_total", {"action": action}) or 0.0
+
+
+async def wait_for(condition: Callable[[], bool], *, within: float) -> None:
+    """Poll the file system (there is no event to wait on) until ``condition`` holds."""
+    async with asyncio.timeout(within):
+        while not condition():  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+
+
+async def test_ensure_writes_the_device_plugin_spec(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    service = make_service(tmp_path, driver, registry)
+    await service.ensure_device_plugin_spec()
+    await service.ensure_device_plugin_spec()  # idempotent
+    spec = load(tmp_path / "cdi" / DP_FILE)
+    assert s.validate(spec) == [] and spec.version == s.minimum_version(spec) == "0.5.0"
+    g0 = inventory(2).gpus[0]
+    assert service.device_name(g0.uuid) == f"k8s.gpu-node-agent.nvidia.com/gpu={g0.uuid}"
+    assert service.index_device_name("1") == "k8s.gpu-node-agent.nvidia.com/gpu=1"
+    assert service.index_device_name("all") == "k8s.gpu-node-agent.nvidia.com/gpu=all"
+    assert {service.device_name(g0.uuid).partition("=")[2], "0", "all"} <= set(spec.device_names)
+    with pytest.raises(UnknownCdiDeviceError):
+        service.device_name("GPU-unknown")
+    with pytest.raises(KeyError):  # callers may treat it as a lookup miss
+        service.index_device_name("7")
+
+
+async def test_node_without_gpus_writes_nothing(tmp_path: Path, registry: CollectorRegistry) -> None:
+    service = CdiService(
+        config=CdiConfig(), cdi_root=tmp_path / "cdi", driver_root=tmp_path / "no-driver", inventory=inventory(0)
+    )
+    await service.ensure_device_plugin_spec()
+    report = await service.reconcile_once()
+    assert report.errors == () and not (tmp_path / "cdi").exists()
+
+
+async def test_missing_driver_root_is_a_clear_error_and_keeps_files(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    service = make_service(tmp_path, driver, registry)
+    await service.ensure_device_plugin_spec()
+    before = (tmp_path / "cdi" / DP_FILE).read_bytes()
+    driver.root.rename(tmp_path / "moved")
+    with pytest.raises(DriverDiscoveryError, match="does not exist"):
+        await service.ensure_device_plugin_spec()
+    report = await service.reconcile_once()
+    assert any("does not exist" in e for e in report.errors)
+    assert (tmp_path / "cdi" / DP_FILE).read_bytes() == before
+    assert registry.get_sample_value("gpu_agent_cdi_reconcile_errors_total") == 1.0
+    assert "does not exist" in str(service.debug_state()["last_error"])
+
+
+async def test_prepare_and_unprepare_claim(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> None:
+    service = make_service(tmp_path, driver, registry)
+    g1 = inventory(2).gpus[1]
+    names = await service.prepare_claim(UID, [g1.uuid])
+    assert names == [f"k8s.gpu-node-agent.nvidia.com/claim={UID}-{g1.uuid}"]
+    assert await service.prepare_claim(UID, [g1.uuid]) == names  # idempotent
+    spec = load(tmp_path / "cdi" / CLAIM_FILE)
+    assert s.validate(spec) == [] and spec.qualified_names() == tuple(names)
+    assert [n.path for n in spec.devices[0].container_edits.device_nodes] == ["/dev/nvidia1"]
+    await service.unprepare_claim(UID)
+    await service.unprepare_claim(UID)
+    assert not (tmp_path / "cdi" / CLAIM_FILE).exists()
+
+
+@pytest.mark.parametrize("uid", ["../../etc/passwd", "a/b", "has space", "", "x:y"])
+async def test_bad_claim_uid_is_rejected_before_any_io(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry, uid: str
+) -> None:
+    service = make_service(tmp_path, driver, registry)
+    with pytest.raises(InvalidNameError, match="cannot be used in a CDI name"):
+        await service.prepare_claim(uid, [inventory(2).gpus[0].uuid])
+    with pytest.raises(InvalidNameError):
+        await service.unprepare_claim(uid)
+    assert not (tmp_path / "cdi").exists()
+
+
+async def test_conflicting_foreign_file_is_an_error_and_damages_nothing(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    service = make_service(tmp_path, driver, registry)
+    await service.ensure_device_plugin_spec()
+    ours = (tmp_path / "cdi" / DP_FILE).read_bytes()
+    foreign = tmp_path / "cdi" / "vendor.json"
+    doc = json.loads(ours)
+    doc["devices"] = [d for d in doc["devices"] if d["name"] == "0"]
+    foreign.write_text(json.dumps(doc))
+    driver.add_node("/dev/nvidia0", (1, 5))  # something to rewrite
+    report = await service.reconcile_once()
+    assert any("vendor.json already defines" in e for e in report.errors)
+    assert (tmp_path / "cdi" / DP_FILE).read_bytes() == ours
+    assert json.loads(foreign.read_text()) == doc
+
+
+# --- reconciler: each kind of damage is repaired by one pass, and by the loop within one period --
+
+
+def _delete(tmp: Path, driver: FakeDriver) -> Callable[[], bool]:
+    for name in (DP_FILE, CLAIM_FILE):
+        (tmp / "cdi" / name).unlink()
+    return lambda: (tmp / "cdi" / DP_FILE).exists() and (tmp / "cdi" / CLAIM_FILE).exists()
+
+
+def _corrupt(tmp: Path, driver: FakeDriver) -> Callable[[], bool]:
+    path = tmp / "cdi" / DP_FILE
+    good = path.read_text()
+    path.write_text('{"cdiVersion": "0.5.0", "kind": ')
+    return lambda: path.read_text() == good
+
+
+def _orphan(tmp: Path, driver: FakeDriver) -> Callable[[], bool]:
+    orphan = tmp / "cdi" / "k8s.gpu-node-agent.nvidia.com-claim_deadbeef-0000.json"
+    orphan.write_text((tmp / "cdi" / CLAIM_FILE).read_text())
+    foreign = tmp / "cdi" / "other-vendor.json"
+    foreign.write_text("not even json")
+    # never touches anyone else's files
+    return lambda: not orphan.exists() and foreign.read_text() == "not even json"
+
+
+def _upgrade(tmp: Path, driver: FakeDriver) -> Callable[[], bool]:
+    driver.upgrade(NEW_VERSION)
+
+    def done() -> bool:
+        texts = [(tmp / "cdi" / name).read_text() for name in (DP_FILE, CLAIM_FILE)]
+        return all(f"{LIB_DIR}/libcuda.so.{NEW_VERSION}" in t and VERSION not in t for t in texts)
+
+    return done
+
+
+def _renumber(tmp: Path, driver: FakeDriver) -> Callable[[], bool]:
+    driver.add_node("/dev/nvidiactl", (1, 5))
+    return lambda: load(tmp / "cdi" / DP_FILE).container_edits.device_nodes[0].minor == 5
+
+
+DAMAGE = {
+    "deleted": _delete,
+    "corrupt": _corrupt,
+    "orphan": _orphan,
+    "driver-upgrade": _upgrade,
+    "renumbered": _renumber,
+}
+EXPECTED_ACTION = {"deleted": "created", "orphan": "deleted"}
+
+
+@pytest.fixture
+async def service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> CdiService:
+    service = make_service(tmp_path, driver, registry)
+    await service.prepare_claim(UID, [inventory(2).gpus[0].uuid])
+    await service.reconcile_once()
+    assert sorted(service.debug_state()["files"]) == sorted([DP_FILE, CLAIM_FILE])  # type: ignore[type-var]
+    return service
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_one_pass_repairs(
+    service: CdiService, tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry, damage: str
+) -> None:
+    repaired = DAMAGE[damage](tmp_path, driver)
+    report = await service.reconcile_once()
+    assert repaired(), report
+    assert report.errors == ()
+    action = EXPECTED_ACTION.get(damage, "rewritten")
+    assert action in {r.action for r in report.repairs}
+    assert repairs(registry, action) >= 1
+    for name in report.owned:
+        spec = load(tmp_path / "cdi" / name)
+        assert s.validate(spec) == [] and spec.version == s.minimum_version(spec)
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+async def test_running_loop_repairs_within_one_period(
+    service: CdiService, tmp_path: Path, driver: FakeDriver, damage: str
+) -> None:
+    passes = service.debug_state()["reconcile_passes"]
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await wait_for(lambda: service.debug_state()["reconcile_passes"] != passes, within=SLACK)  # the start pass
+        repaired = DAMAGE[damage](tmp_path, driver)  # now only the periodic pass can repair it
+        await wait_for(repaired, within=PERIOD + SLACK)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_corrupt_is_reported_as_such(service: CdiService, tmp_path: Path) -> None:
+    _corrupt(tmp_path, FakeDriver(tmp_path))
+    await service.reconcile_once()
+    assert {"action": "rewritten", "file": DP_FILE, "reason": "corrupt"} in service.debug_state()["last_repairs"]  # type: ignore[operator]
+
+
+async def test_inventory_change_removes_gone_devices(service: CdiService, tmp_path: Path) -> None:
+    task = asyncio.create_task(service.run())
+    try:
+        service.update_inventory(inventory(1))  # wakes the loop at once
+        await wait_for(lambda: "1" not in load(tmp_path / "cdi" / DP_FILE).device_names, within=SLACK)
+        with pytest.raises(UnknownCdiDeviceError):
+            service.device_name(inventory(2).gpus[1].uuid)
+        service.update_inventory(inventory(0))
+        await wait_for(lambda: not (tmp_path / "cdi" / DP_FILE).exists(), within=SLACK)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_mig_reconfiguration(service: CdiService, tmp_path: Path) -> None:
+    with_mig = inventory(2, migs={1: (mig(1, 0, 21, 22),)})
+    service.update_inventory(with_mig)
+    await service.reconcile_once()
+    assert "1:0" in load(tmp_path / "cdi" / DP_FILE).device_names
+    assert service.index_device_name("1:0") == "k8s.gpu-node-agent.nvidia.com/gpu=1:0"
+    m = with_mig.gpus[1].mig_devices[0]
+    assert service.device_name(m.uuid) == f"k8s.gpu-node-agent.nvidia.com/gpu={m.uuid}"
+
+
+async def test_external_prepared_claims_source(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> None:
+    service = make_service(tmp_path, driver, registry)
+    checkpoint = {UID: [inventory(2).gpus[0].uuid]}
+    service.set_prepared_claims(lambda: checkpoint)
+    await service.reconcile_once()  # e.g. after a reboot emptied the tmpfs: re-created from the checkpoint
+    assert (tmp_path / "cdi" / CLAIM_FILE).exists()
+    await service.unprepare_claim(UID)
+    await service.reconcile_once()  # the checkpoint still lists it for a moment: stays gone
+    assert not (tmp_path / "cdi" / CLAIM_FILE).exists()
+    checkpoint.clear()
+    await service.reconcile_once()
+    assert service.debug_state()["claims"] == []
+
+
+async def test_debug_state_and_metrics(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> None:
+    service = make_service(tmp_path, driver, registry)
+    report = await service.reconcile_once()
+    assert [r.action for r in report.repairs] == ["created"]
+    state = service.debug_state()
+    assert state["files"] == [DP_FILE] and state["driver_version"] == VERSION
+    assert state["repairs_total"] == {"created": 1, "rewritten": 0, "deleted": 0}
+    assert state["last_reconcile"] is not None and state["last_error"] is None
+    assert repairs(registry, "created") == 1.0 and repairs(registry, "deleted") == 0.0
+    assert registry.get_sample_value("gpu_agent_cdi_spec_files") == 1.0
+
+
+async def test_null_service() -> None:
+    null = create_cdi_service(
+        config=CdiConfig(enabled=False), cdi_root=Path("/nonexistent"), driver_root=Path("/"), inventory=inventory(1)
+    )
+    assert isinstance(null, NullCdiService)
+    await null.ensure_device_plugin_spec()
+    assert await null.prepare_claim(UID, ["x"]) == []
+    await null.unprepare_claim(UID)
+    with pytest.raises(UnknownCdiDeviceError):
+        null.device_name(inventory(1).gpus[0].uuid)
+    assert null.debug_state() == {"enabled": False}
+    task = asyncio.create_task(null.run())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
