@@ -1,0 +1,213 @@
+"""The device plugin as one component: a server per resource, kept registered and current.
+
+:class:`PluginManager` is built by ``agent/app.py`` (only when ``plugin.enabled``) and run in
+the agent's TaskGroup. ``run`` serves until cancelled:
+
+* one :class:`PluginServer` per resource name that the plugin config and the inventory call
+  for (:func:`plan_resources`); a change of the ``plugin`` config section rebuilds them all
+  (old servers stop and remove their sockets before the new ones serve);
+* ``<kubelet_root>/device-plugins`` is watched (inotify, :mod:`agent.fswatch`): a new
+  ``kubelet.sock`` (new inode) restarts every server, and a server whose own socket file was
+  deleted or replaced restarts alone; each restart is stop -> serve -> Register;
+* health and ownership changes make every open ListAndWatch stream send the new list at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from agent.config.schema import PluginConfig
+from agent.config.state import ConfigState
+from agent.fswatch import DirectoryWatcher
+from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Inventory
+from agent.ownership import OwnershipState
+from agent.plugin.cdinames import CdiNames
+from agent.plugin.metrics import PluginMetrics
+from agent.plugin.preferred import TopologyScorer
+from agent.plugin.resources import Resource, ResourcePlan, plan_resources
+from agent.plugin.server import (
+    DEFAULT_BACKOFF,
+    DEFAULT_TIMEOUTS,
+    KUBELET_SOCKET,
+    Backoff,
+    PluginServer,
+    Timeouts,
+    _inode,
+)
+from agent.plugin.service import ResourceService
+
+log = structlog.get_logger("agent.plugin")
+
+DEVICE_PLUGINS_DIR = "device-plugins"
+
+
+class _Rebuild(Exception):
+    """Raised inside a generation's TaskGroup to replace every server."""
+
+
+class PluginManager:
+    def __init__(
+        self,
+        *,
+        config_state: ConfigState,
+        inventory: Inventory,
+        health: HealthMonitor,
+        ownership: OwnershipState,
+        cdi: CdiNames,
+        kubelet_root: Path,
+        registry: CollectorRegistry | None = None,
+        backoff: Backoff = DEFAULT_BACKOFF,
+        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+    ) -> None:
+        self._config_state = config_state
+        self._inventory = inventory
+        self._health = health
+        self._ownership = ownership
+        self._cdi = cdi
+        self.plugin_dir = kubelet_root / DEVICE_PLUGINS_DIR
+        self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET
+        self._metrics = PluginMetrics(registry)
+        self._backoff = backoff
+        self._timeouts = timeouts
+        self._scorer = TopologyScorer(inventory)
+        self._config: PluginConfig = config_state.config.plugin
+        self._plan = ResourcePlan()
+        self._servers: dict[str, PluginServer] = {}
+        self._kubelet_inode: int | None = None
+        self._running = False
+        self._watch_mode = ""
+        #: directory-watch batches handled, and the names of the last one (debug, tests)
+        self.watch_batches = 0
+        self.last_watch_names: frozenset[str] = frozenset()
+
+    # --- state for /readyz and /debug/state -------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every server serves and is registered (True with no servers when nothing to serve)."""
+        return self._running and all(s.registered for s in self._servers.values())
+
+    @property
+    def servers(self) -> dict[str, PluginServer]:
+        return dict(self._servers)
+
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "ready": self.ready,
+            "plugin_dir": str(self.plugin_dir),
+            "kubelet_socket_present": self.kubelet_socket.exists(),
+            "watch_mode": self._watch_mode,
+            "watch_batches": self.watch_batches,
+            "problems": list(self._plan.problems),
+            "resources": {name: s.debug_state() for name, s in sorted(self._servers.items())},
+        }
+
+    # --- run --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until cancelled; sockets are removed on the way out."""
+        self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        self._kubelet_inode = _inode(self.kubelet_socket)
+        try:
+            async with DirectoryWatcher(self.plugin_dir) as watcher:
+                self._watch_mode = watcher.mode
+                while True:
+                    try:
+                        await self._generation(watcher)
+                    except* _Rebuild:
+                        log.info("device plugin config changed, rebuilding servers")
+        finally:
+            self._running = False
+            self._servers = {}
+
+    async def _generation(self, watcher: DirectoryWatcher) -> None:
+        """Serve one plan until the plugin config changes (raises _Rebuild)."""
+        self._config = self._config_state.config.plugin
+        self._plan = plan_resources(self._inventory, self._config)
+        for problem in self._plan.problems:
+            log.warning("device plugin config cannot be fully honoured", problem=problem)
+        self._servers = {
+            r.name: PluginServer(
+                resource=r,
+                make_service=self._make_service,
+                plugin_dir=self.plugin_dir,
+                metrics=self._metrics,
+                backoff=self._backoff,
+                timeouts=self._timeouts,
+            )
+            for r in self._plan.resources
+        }
+        log.info("device plugin resources", resources=self._plan.names())
+        self._running = True
+        async with asyncio.TaskGroup() as tg:
+            for name, server in self._servers.items():
+                tg.create_task(server.run(), name=f"plugin-server:{name}")
+            tg.create_task(self._watch_files(watcher), name="plugin-watch-files")
+            tg.create_task(self._watch_config(), name="plugin-watch-config")
+            tg.create_task(self._watch_health(), name="plugin-watch-health")
+            tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
+
+    def _make_service(self, resource: Resource) -> ResourceService:
+        return ResourceService(
+            resource=resource,
+            config=self._config,
+            inventory=self._inventory,
+            ownership=self._ownership,
+            health=self._health,
+            cdi=self._cdi,
+            scorer=self._scorer,
+        )
+
+    # --- reactions --------------------------------------------------------------------------
+
+    async def _watch_files(self, watcher: DirectoryWatcher) -> None:
+        async for names in watcher:
+            self.on_files_changed(names)
+
+    def on_files_changed(self, names: set[str]) -> None:
+        self.watch_batches += 1
+        self.last_watch_names = frozenset(names)
+        if KUBELET_SOCKET in names:
+            inode = _inode(self.kubelet_socket)
+            if inode is not None and inode != self._kubelet_inode:
+                # servers that already registered with this kubelet (they restarted for their
+                # own deleted socket a moment ago) are left alone
+                stale = [s for s in self._servers.values() if not (s.registered and s.kubelet_inode == inode)]
+                log.info("kubelet.sock (re)created: re-registering", resources=[s.resource.name for s in stale])
+                for server in stale:
+                    server.restart("kubelet.sock re-created")
+            self._kubelet_inode = inode
+        for server in self._servers.values():
+            if server.socket_path.name in names and server.socket_lost():
+                log.warning("device plugin socket was deleted", socket=str(server.socket_path))
+                server.restart("own socket deleted")
+
+    async def _watch_config(self) -> None:
+        with self._config_state.changes.subscribe() as changes:
+            while True:
+                loaded = await changes.get()
+                if loaded.config.plugin != self._config:
+                    raise _Rebuild()
+
+    def _notify_all(self) -> None:
+        for server in self._servers.values():
+            server.notify()
+
+    async def _watch_health(self) -> None:
+        with self._health.changes.subscribe() as changes:
+            while True:
+                await changes.get()
+                changes.drain()
+                self._notify_all()
+
+    async def _watch_ownership(self) -> None:
+        with self._ownership.changes.subscribe() as changes:
+            while True:
+                await changes.get()
+                changes.drain()
+                self._notify_all()

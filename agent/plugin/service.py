@@ -1,0 +1,101 @@
+"""One resource's device-plugin behaviour, free of gRPC: what the servicer calls.
+
+A :class:`ResourceService` lives as long as one server run (a restart builds a new one), so
+its ``changed`` feed and ``stopping`` flag are per run: stopping a run ends exactly that run's
+ListAndWatch streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from agent.config.schema import PluginConfig
+from agent.events import Broadcast
+from agent.inventory.model import Inventory
+from agent.ownership import OwnershipState
+from agent.plugin.allocate import Allocator, ContainerAllocation
+from agent.plugin.cdinames import CdiNames
+from agent.plugin.errors import AllocationError, ErrorKind
+from agent.plugin.preferred import TopologyScorer, preferred_allocation
+from agent.plugin.resources import DeviceState, HealthLookup, Resource, advertised
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    pre_start_required: bool = False
+    get_preferred_allocation_available: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class PreferredRequest:
+    available: Sequence[str]
+    must_include: Sequence[str]
+    size: int
+
+
+class ResourceService:
+    def __init__(
+        self,
+        *,
+        resource: Resource,
+        config: PluginConfig,
+        inventory: Inventory,
+        ownership: OwnershipState,
+        health: HealthLookup,
+        cdi: CdiNames,
+        scorer: TopologyScorer | None = None,
+    ) -> None:
+        self.resource = resource
+        self.options = Options()
+        self._config = config
+        self._inventory = inventory
+        self._ownership = ownership
+        self._health = health
+        self._allocator = Allocator(config=config, cdi=cdi)
+        self._scorer = scorer or TopologyScorer(inventory)
+        #: "the device list may have changed"; one pending item per stream is enough
+        self.changed: Broadcast[None] = Broadcast(maxsize=1)
+        self.stopping = False
+
+    # --- ListAndWatch ------------------------------------------------------------
+
+    def devices(self) -> list[DeviceState]:
+        return advertised(self.resource, self._ownership.current, self._health)
+
+    def notify(self) -> None:
+        """Tell every open ListAndWatch stream to send the current list."""
+        self.changed.publish(None)
+
+    def stop_streams(self) -> None:
+        """End every ListAndWatch stream of this run (each returns after its current send)."""
+        self.stopping = True
+        self.changed.publish(None)
+
+    # --- unary RPCs ----------------------------------------------------------------
+
+    async def allocate(self, requests: Sequence[Sequence[str]]) -> list[ContainerAllocation]:
+        return await self._allocator.allocate(
+            self.resource, requests, ownership=self._ownership.current, health=self._health
+        )
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        self._allocator.prestart(self.resource, ids, ownership=self._ownership.current, health=self._health)
+
+    def preferred(self, requests: Sequence[PreferredRequest]) -> list[list[str]]:
+        if not requests:
+            raise AllocationError(
+                ErrorKind.INVALID_ARGUMENT, f"preferred allocation {self.resource.name}: no container requests"
+            )
+        return [
+            preferred_allocation(
+                available=r.available,
+                must_include=r.must_include,
+                size=r.size,
+                gpu_of=self.resource.gpu_of,
+                inventory=self._inventory,
+                replica_policy=self._config.replica_policy,
+                scorer=self._scorer,
+            )
+            for r in requests
+        ]

@@ -1,0 +1,158 @@
+"""gRPC servers on Unix sockets: the one place socket files are created and removed.
+
+Used by the device plugin (one socket per resource in the kubelet's ``device-plugins/``) and
+by the DRA kubelet plugin. Contract:
+
+* ``start`` creates the parent directory if needed, removes a stale file at the path (a
+  leftover of a crashed run; a directory there is an error), then listens there.
+* ``close`` stops listening, cancels running handlers, closes open connections (so no client
+  keeps talking to a stopped server over a reused connection) and removes the socket file, but only
+  if the file is still the one this server created (same inode): after a restart another
+  server may already listen at the same path, and its file must survive.
+* ``close`` is idempotent and safe before ``start`` or after a failed ``start``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import structlog
+from grpclib.protocol import H2Protocol
+from grpclib.server import Server
+
+from agent.errors import StartupError
+
+log = structlog.get_logger("agent.sockets")
+
+#: sun_path is 108 bytes on Linux, including the terminating NUL
+MAX_SOCKET_PATH = 107
+
+
+def remove_stale_socket(path: Path) -> bool:
+    """Remove whatever non-directory file sits at ``path``; returns whether one was removed."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(mode):
+        raise StartupError(f"cannot listen on {path}: a directory is in the way")
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return True
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.lstat().st_ino
+    except OSError:
+        return None
+
+
+class _Server(Server):
+    """A grpclib server that can also drop its open connections.
+
+    Closing an asyncio server (Python 3.11) stops listening but keeps accepted connections,
+    and grpclib keeps dispatching new streams on them; a gRPC client that reuses its
+    connection would then talk to a stopped server. :meth:`close_connections` ends them.
+    """
+
+    def __init__(self, handlers: Sequence[Any]) -> None:
+        super().__init__(handlers)
+        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+
+    def _protocol_factory(self) -> H2Protocol:
+        protocol = super()._protocol_factory()
+        self._protocols.add(protocol)
+        return protocol
+
+    def close_connections(self) -> None:
+        for protocol in list(self._protocols):
+            connection = getattr(protocol, "connection", None)
+            if connection is not None:
+                connection.close()  # flushes what was written, then closes the transport
+
+
+class UnixGrpcServer:
+    """A grpclib :class:`Server` listening on a Unix socket file.
+
+    ``handlers`` are grpclib servables (objects with ``__mapping__``). Use as an async context
+    manager, or call :meth:`start` and :meth:`close` yourself.
+    """
+
+    def __init__(self, path: Path, handlers: Sequence[Any], *, close_timeout: float = 2.0) -> None:
+        self.path = path
+        self._handlers = list(handlers)
+        self._close_timeout = close_timeout
+        self._server: _Server | None = None
+        self._inode: int | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self._server is not None
+
+    def socket_present(self) -> bool:
+        """Whether the file this server listens on is still reachable at ``path``."""
+        return self._inode is not None and _inode(self.path) == self._inode
+
+    async def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError(f"server on {self.path} is already started")
+        if len(os.fsencode(self.path)) > MAX_SOCKET_PATH:
+            raise StartupError(f"socket path {self.path} is longer than {MAX_SOCKET_PATH} bytes")
+        try:
+            self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+            if remove_stale_socket(self.path):
+                log.info("removed stale socket", path=str(self.path))
+            server = _Server(self._handlers)
+            await server.start(path=str(self.path))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {self.path}: {exc.strerror or exc}") from exc
+        self._server = server
+        self._inode = _inode(self.path)
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        try:
+            # handlers were cancelled by close(); a handler that swallows cancellation must
+            # not hold up a restart forever
+            await asyncio.wait_for(server.wait_closed(), self._close_timeout)
+        except TimeoutError:
+            log.warning("gRPC handlers did not finish in time", path=str(self.path), timeout_s=self._close_timeout)
+        finally:
+            server.close_connections()
+            if self._inode is not None and _inode(self.path) == self._inode:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+            self._inode = None
+
+    async def __aenter__(self) -> UnixGrpcServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+
+async def socket_accepts(path: Path, *, within_s: float) -> bool:
+    """Whether something accepts connections on the Unix socket ``path`` within ``within_s``."""
+    try:
+        _reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), within_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True

@@ -1,0 +1,1 @@
+"""Generated grpcio stubs for tests (scripts/gen-proto.sh). Do not edit."""

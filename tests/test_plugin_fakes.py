@@ -1,0 +1,249 @@
+"""Test doubles for the device plugin tests (and bench/bench_plugin.py); holds no tests.
+
+* :class:`FakeKubelet` — the kubelet's ``Registration`` service on ``kubelet.sock``, built on
+  grpcio like the real (Go) kubelet's: its Register handler dials the plugin endpoint and calls
+  GetDevicePluginOptions before it answers, and records every call.
+* :class:`FakeCdi` — the :class:`~agent.plugin.cdinames.CdiNames` the plugin calls.
+* :class:`PluginHarness` — a :class:`PluginManager` on the simulated ``h100-8x-nvlink`` node in
+  a short temporary kubelet root, with helpers to wait on conditions (never fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from agent.config.loader import LoadedConfig
+from agent.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
+from agent.config.state import ConfigState
+from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Inventory
+from agent.inventory.simulated import SimulatedBackend
+from agent.ownership import OwnershipState, compute_ownership
+from agent.plugin.manager import PluginManager
+from agent.plugin.server import Backoff
+from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
+from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+
+NODE = "node-a"
+PRESET = "h100-8x-nvlink"
+FAST_HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
+FAST_BACKOFF = Backoff(initial_s=0.05, max_s=0.2)
+
+
+async def wait_for(condition: Callable[[], object], *, within_s: float = 3.0, what: str = "condition") -> None:
+    """Poll ``condition`` on the loop until it is truthy; fail after ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within_s}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def short_tmpdir() -> Any:
+    """A temporary directory with a short path (Unix socket paths are limited to 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kr-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class RegisterCall:
+    request: pb.RegisterRequest
+    options: pb.DevicePluginOptions | None  # what GetDevicePluginOptions answered inside Register
+    error: str = ""
+    at: float = field(default_factory=time.monotonic)
+
+
+class _Registration(pb_grpc.RegistrationServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Empty:  # type: ignore[override]
+        kubelet = self.kubelet
+        if request.version != "v1beta1":
+            await context.abort(grpc.StatusCode.UNKNOWN, f'requested API version "{request.version}" is not supported')
+        endpoint = kubelet.plugin_dir / request.endpoint
+        options: pb.DevicePluginOptions | None = None
+        error = ""
+        try:
+            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
+                stub = pb_grpc.DevicePluginStub(channel)
+                options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code()}: {exc.details()}"
+        kubelet.calls.append(RegisterCall(request=request, options=options, error=error))
+        kubelet.registered.set()
+        if kubelet.reject:
+            await context.abort(grpc.StatusCode.UNKNOWN, kubelet.reject)
+        if error:
+            await context.abort(grpc.StatusCode.UNKNOWN, f"cannot dial plugin endpoint: {error}")
+        return pb.Empty()
+
+
+class FakeKubelet:
+    """The kubelet's registration server on ``<plugin_dir>/kubelet.sock`` (grpcio)."""
+
+    def __init__(self, plugin_dir: Path) -> None:
+        self.plugin_dir = plugin_dir
+        self.socket = plugin_dir / "kubelet.sock"
+        self.calls: list[RegisterCall] = []
+        self.registered = asyncio.Event()
+        self.reject = ""  # when set, Register fails with this message
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> None:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+        server = grpc.aio.server()
+        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        await server.start()
+        self._server = server
+
+    async def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace=None)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
+    async def restart(self, *, delete_sockets: bool = True) -> None:
+        """What a kubelet restart does to the directory: sockets deleted, new kubelet.sock."""
+        await self.stop()
+        if delete_sockets:
+            for path in self.plugin_dir.iterdir():
+                if path.is_socket():
+                    path.unlink()
+        await self.start()
+
+    def calls_for(self, resource: str) -> list[RegisterCall]:
+        return [c for c in self.calls if c.request.resource_name == resource]
+
+
+@dataclass
+class FakeCdi:
+    """CdiNames double: names ``k8s.gpu-node-agent.nvidia.com/gpu=<uuid>``."""
+
+    kind: str = "k8s.gpu-node-agent.nvidia.com/gpu"
+    ensured: int = 0
+    fail: str = ""
+
+    def device_name(self, device_uuid: str) -> str:
+        return f"{self.kind}={device_uuid}"
+
+    async def ensure_device_plugin_spec(self) -> None:
+        if self.fail:
+            from agent.errors import AgentError
+
+            raise AgentError(self.fail)
+        self.ensured += 1
+
+
+def loaded(config: Config, version: str = "v1") -> LoadedConfig:
+    return LoadedConfig(config=config, version=version, source="test")
+
+
+def ownership_for(inventory: Inventory, gpus: dict[str, Owner] | None = None, version: str = "1") -> Any:
+    config = OwnershipConfig(
+        default=Owner.DEVICE_PLUGIN,
+        nodes=(NodeRule(match=NodeMatch(names=(NODE,)), gpus=dict(gpus or {})),) if gpus else (),
+    )
+    return compute_ownership(inventory, config, node_name=NODE, node_labels={}, version=version)
+
+
+@dataclass
+class PluginHarness:
+    root: Path
+    backend: SimulatedBackend
+    inventory: Inventory
+    health: HealthMonitor
+    ownership: OwnershipState
+    config_state: ConfigState
+    cdi: FakeCdi
+    kubelet: FakeKubelet
+    manager: PluginManager
+    task: asyncio.Task[None] | None = None
+    _health_task: asyncio.Task[None] | None = None
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self.root / "device-plugins"
+
+    def socket(self, name: str = "nvidia-gpu.sock") -> Path:
+        return self.plugin_dir / name
+
+    def channel(self, name: str = "nvidia-gpu.sock") -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(f"unix://{self.socket(name)}")
+
+    def gpu(self, index: int) -> str:
+        gpu = self.inventory.find(str(index))
+        assert gpu is not None
+        return gpu.uuid
+
+    def set_owner(self, gpus: dict[str, Owner], version: str) -> bool:
+        return self.ownership.update(ownership_for(self.inventory, gpus, version))
+
+    def set_plugin_config(self, plugin: PluginConfig, version: str) -> None:
+        self.config_state.accept(loaded(replace(self.config_state.config, plugin=plugin), version))
+
+    async def start(self) -> None:
+        self._health_task = asyncio.create_task(self.backend.watch_health(self.inventory, self.health.observe))
+        self.task = asyncio.create_task(self.manager.run(), name="plugin-manager")
+        await wait_for(lambda: self.backend._emit is not None, what="health watch")
+
+    async def wait_ready(self, within_s: float = 5.0) -> None:
+        await wait_for(lambda: self.manager.ready, within_s=within_s, what="manager ready")
+
+    async def stop(self) -> None:
+        for task in (self.task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.kubelet.stop()
+
+
+@contextlib.asynccontextmanager
+async def plugin_harness(
+    plugin: PluginConfig | None = None, *, start_kubelet: bool = True
+) -> AsyncIterator[PluginHarness]:
+    with short_tmpdir() as root:
+        backend = SimulatedBackend(preset=PRESET, node_name=NODE, health=FAST_HEALTH)
+        inventory = await backend.load()
+        health = HealthMonitor(config=FAST_HEALTH)
+        health.set_inventory(inventory)
+        ownership = OwnershipState(ownership_for(inventory))
+        config_state = ConfigState(loaded(Config(plugin=plugin or PluginConfig())))
+        cdi = FakeCdi()
+        kubelet = FakeKubelet(root / "device-plugins")
+        if start_kubelet:
+            await kubelet.start()
+        manager = PluginManager(
+            config_state=config_state,
+            inventory=inventory,
+            health=health,
+            ownership=ownership,
+            cdi=cdi,
+            kubelet_root=root,
+            backoff=FAST_BACKOFF,  # retries in tens of milliseconds
+        )
+        harness = PluginHarness(root, backend, inventory, health, ownership, config_state, cdi, kubelet, manager)
+        try:
+            await harness.start()
+            yield harness
+        finally:
+            await harness.stop()

@@ -1,0 +1,391 @@
+"""The device plugin on real Unix sockets, driven by grpcio the way the Go kubelet drives it.
+
+A fake kubelet (grpcio) serves Registration on ``kubelet.sock`` in a temporary kubelet root and
+calls GetDevicePluginOptions on the plugin from inside Register. Everything waits on
+conditions with timeouts, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from agent.config.schema import Owner, PluginConfig, TimeSlicingConfig
+from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
+from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from tests.test_plugin_fakes import PluginHarness, loaded, plugin_harness, wait_for
+
+pytestmark = pytest.mark.integration
+
+GPU = "nvidia.com/gpu"
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[PluginHarness]:
+    async with plugin_harness() as harness:
+        await harness.wait_ready()
+        yield harness
+
+
+async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:
+    message = await asyncio.wait_for(call.read(), within_s)
+    assert message is not grpc.aio.EOF, "ListAndWatch ended"
+    return message  # type: ignore[return-value]
+
+
+def ids_of(message: pb.ListAndWatchResponse) -> list[str]:
+    return [d.ID for d in message.devices]
+
+
+# --- registration ------------------------------------------------------------------------
+
+
+async def test_serves_then_registers_like_the_kubelet_expects(h: PluginHarness) -> None:
+    (call,) = h.kubelet.calls
+    assert call.request.version == "v1beta1"
+    assert call.request.endpoint == "nvidia-gpu.sock"  # a basename, relative to device-plugins/
+    assert call.request.resource_name == GPU
+    assert call.request.options.get_preferred_allocation_available
+    assert not call.request.options.pre_start_required
+    # the kubelet reached the plugin from inside Register: it served before registering
+    assert call.error == ""
+    assert call.options is not None and call.options.get_preferred_allocation_available
+    state = h.manager.debug_state()
+    assert state["ready"] is True
+    assert state["watch_mode"] == "inotify"
+    resource = state["resources"][GPU]  # type: ignore[index]
+    assert resource["registered"] is True and resource["device_count"] == 8
+    assert resource["last_register_error"] == ""
+
+
+async def test_register_failures_are_retried_and_visible() -> None:
+    async with plugin_harness(start_kubelet=False) as h:
+        await wait_for(lambda: h.manager.servers[GPU].attempts >= 2, what="register retries")
+        assert not h.manager.ready
+        state = h.manager.debug_state()["resources"][GPU]  # type: ignore[index]
+        assert state["registered"] is False
+        assert "kubelet.sock" in state["last_register_error"]
+        started = time.monotonic()
+        await h.kubelet.start()  # kubelet.sock appears: registration within a second
+        await h.wait_ready(within_s=1.0)
+        assert time.monotonic() - started < 1.0
+        assert h.manager.debug_state()["resources"][GPU]["last_register_error"] == ""  # type: ignore[index]
+
+
+async def test_kubelet_rejection_is_retried() -> None:
+    async with plugin_harness(start_kubelet=False) as h:
+        h.kubelet.reject = "the ResourceName is invalid"
+        await h.kubelet.start()
+        await wait_for(lambda: len(h.kubelet.calls) >= 2, what="retried Register")
+        assert "ResourceName is invalid" in h.manager.servers[GPU].last_error
+        h.kubelet.reject = ""
+        await h.wait_ready()
+
+
+# --- ListAndWatch ------------------------------------------------------------------------
+
+
+async def test_list_and_watch_full_list_with_numa(h: PluginHarness) -> None:
+    async with h.channel() as channel:
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        first = await next_message(call)
+        assert ids_of(first) == [h.gpu(i) for i in range(8)]
+        assert {d.health for d in first.devices} == {"Healthy"}
+        assert [[n.ID for n in d.topology.nodes] for d in first.devices] == [[0]] * 4 + [[1]] * 4
+        call.cancel()
+
+
+async def test_health_change_reaches_open_stream(h: PluginHarness) -> None:
+    async with h.channel() as channel:
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        await next_message(call)
+        started = time.monotonic()
+        h.backend.inject(h.gpu(3), healthy=False, xid=79)
+        message = await next_message(call)
+        assert time.monotonic() - started < 0.1
+        assert {d.ID: d.health for d in message.devices}[h.gpu(3)] == "Unhealthy"
+        h.backend.inject(h.gpu(3), healthy=True)
+        message = await next_message(call)
+        assert {d.health for d in message.devices} == {"Healthy"}
+        call.cancel()
+
+
+async def test_ownership_change_adds_and_removes_devices(h: PluginHarness) -> None:
+    async with h.channel() as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        call = stub.ListAndWatch(pb.Empty())
+        await next_message(call)
+        assert h.set_owner({h.gpu(2): Owner.DRA, "5": Owner.NONE}, "2")
+        message = await next_message(call)
+        assert ids_of(message) == [h.gpu(i) for i in (0, 1, 3, 4, 6, 7)]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[h.gpu(2)])])
+            )
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert h.gpu(2) in (err.value.details() or "")
+        assert h.set_owner({}, "3")
+        assert ids_of(await next_message(call)) == [h.gpu(i) for i in range(8)]
+        call.cancel()
+
+
+async def test_stream_client_that_goes_away_leaks_nothing(h: PluginHarness) -> None:
+    server = h.manager.servers[GPU]
+    assert server.service is not None
+    baseline_tasks = len(asyncio.all_tasks())
+    for _ in range(5):
+        async with h.channel() as channel:
+            call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+            await next_message(call)
+            assert server.open_streams == 1
+        # channel closed without cancelling the call: the connection is gone
+        await wait_for(lambda: server.open_streams == 0, what="stream handler gone")
+    await wait_for(lambda: server.service.changed.subscriber_count == 0, what="subscription released")  # type: ignore[union-attr]
+    await wait_for(lambda: len(asyncio.all_tasks()) <= baseline_tasks, what="no extra tasks")
+
+
+async def test_stream_client_that_never_reads_stays_bounded(h: PluginHarness) -> None:
+    server = h.manager.servers[GPU]
+    service = server.service
+    assert service is not None
+    async with h.channel() as channel:
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        await next_message(call)
+        for i in range(300):  # a burst of changes nobody reads
+            h.set_owner({h.gpu(i % 8): Owner.DRA}, f"burst-{i}")
+        await wait_for(lambda: service.changed.subscriber_count == 1, what="one subscription")
+        for sub in service.changed._subscribers:
+            assert sub._queue.qsize() <= 1  # coalesced, never a backlog
+        call.cancel()
+    await wait_for(lambda: server.open_streams == 0, what="stream handler gone")
+    assert service.changed.subscriber_count == 0
+
+
+# --- Allocate ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategies",
+    [("envvar",), ("volume-mounts",), ("cdi-annotations",), ("cdi-cri",), ("envvar", "cdi-cri")],
+)
+async def test_allocate_each_strategy(strategies: tuple[str, ...]) -> None:
+    async with plugin_harness(PluginConfig(device_list_strategy=strategies)) as h:  # type: ignore[arg-type]
+        await h.wait_ready()
+        g0, g1 = h.gpu(0), h.gpu(1)
+        async with h.channel() as channel:
+            response = await pb_grpc.DevicePluginStub(channel).Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[g0, g1])])
+            )
+        (out,) = response.container_responses
+        names = [f"{h.cdi.kind}={g0}", f"{h.cdi.kind}={g1}"]
+        if "envvar" in strategies:
+            assert out.envs["NVIDIA_VISIBLE_DEVICES"] == f"{g0},{g1}"
+        if "volume-mounts" in strategies:
+            assert out.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+            assert [(m.host_path, m.container_path) for m in out.mounts] == [
+                ("/dev/null", f"/var/run/nvidia-container-devices/{g}") for g in (g0, g1)
+            ]
+        if "cdi-annotations" in strategies:
+            ((key, value),) = out.annotations.items()
+            assert key.startswith("cdi.k8s.io/gpu-node-agent_")
+            assert value.split(",") == names
+        if "cdi-cri" in strategies:
+            assert [d.name for d in out.cdi_devices] == names
+        assert h.cdi.ensured == (1 if any(s.startswith("cdi-") for s in strategies) else 0)
+        if not any(s in strategies for s in ("envvar", "volume-mounts")):
+            assert "NVIDIA_VISIBLE_DEVICES" not in out.envs
+
+
+async def test_time_slicing_replicas_end_to_end() -> None:
+    config = PluginConfig(
+        time_slicing=TimeSlicingConfig(replicas=3, rename_by_default=True, fail_requests_greater_than_one=True)
+    )
+    async with plugin_harness(config) as h:
+        await h.wait_ready()
+        assert [c.request.resource_name for c in h.kubelet.calls] == ["nvidia.com/gpu.shared"]
+        async with h.channel("nvidia-gpu.shared.sock") as channel:
+            stub = pb_grpc.DevicePluginStub(channel)
+            call = stub.ListAndWatch(pb.Empty())
+            first = await next_message(call)
+            assert len(first.devices) == 24
+            g0 = h.gpu(0)
+            response = await stub.Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{g0}::2"])])
+            )
+            assert response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == g0
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Allocate(
+                    pb.AllocateRequest(
+                        container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{g0}::0", f"{g0}::1"])]
+                    )
+                )
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            call.cancel()
+
+
+async def test_bad_inputs_over_the_wire(h: PluginHarness) -> None:
+    h.backend.inject(h.gpu(6), healthy=False, xid=79)
+    h.set_owner({h.gpu(7): Owner.DRA}, "2")
+    g0 = h.gpu(0)
+
+    def alloc(*ids: list[str]) -> pb.AllocateRequest:
+        return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=i) for i in ids])
+
+    def pref(avail: list[str], must: list[str], size: int) -> pb.PreferredAllocationRequest:
+        request = pb.ContainerPreferredAllocationRequest(
+            available_deviceIDs=avail, must_include_deviceIDs=must, allocation_size=size
+        )
+        return pb.PreferredAllocationRequest(container_requests=[request])
+
+    invalid, precondition = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+    async with h.channel() as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        cases = [
+            (stub.Allocate, alloc(["GPU-unknown"]), invalid, "GPU-unknown"),
+            (stub.Allocate, alloc([h.gpu(6)]), precondition, h.gpu(6)),
+            (stub.Allocate, alloc([h.gpu(7)]), precondition, h.gpu(7)),
+            (stub.Allocate, alloc([g0, g0]), invalid, g0),
+            (stub.Allocate, alloc(), invalid, "no container requests"),
+            (stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=["nope"]), invalid, "nope"),
+            (stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=[h.gpu(6)]), precondition, h.gpu(6)),
+            (stub.GetPreferredAllocation, pref([g0], [], 2), invalid, "exceeds"),
+            (stub.GetPreferredAllocation, pref([g0], [h.gpu(1)], 1), invalid, h.gpu(1)),
+        ]
+        for method, request, code, fragment in cases:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await method(request)  # type: ignore[operator]
+            assert err.value.code() is code, fragment
+            assert fragment in (err.value.details() or ""), err.value.details()
+        await stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=[g0]))  # still serving
+        options = await stub.GetDevicePluginOptions(pb.Empty())
+        assert options.get_preferred_allocation_available
+
+
+async def test_preferred_allocation_nvlink_preset(h: PluginHarness) -> None:
+    async with h.channel() as channel:
+        request = pb.ContainerPreferredAllocationRequest(
+            available_deviceIDs=[h.gpu(i) for i in range(8)], must_include_deviceIDs=[h.gpu(1)], allocation_size=2
+        )
+        response = await pb_grpc.DevicePluginStub(channel).GetPreferredAllocation(
+            pb.PreferredAllocationRequest(container_requests=[request])
+        )
+    (answer,) = response.container_responses
+    assert len(answer.deviceIDs) == 2 and h.gpu(1) in answer.deviceIDs
+    partner = next(i for i in answer.deviceIDs if i != h.gpu(1))
+    assert partner in {h.gpu(i) for i in (0, 2, 3)}  # same NUMA node as GPU 1
+
+
+# --- restarts ----------------------------------------------------------------------------
+
+
+async def test_kubelet_restart_leads_to_fresh_register(h: PluginHarness) -> None:
+    async with h.channel() as channel:
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        await next_message(call)
+        started = time.monotonic()
+        await h.kubelet.restart()  # sockets deleted, new kubelet.sock
+        await wait_for(lambda: len(h.kubelet.calls) == 2, within_s=1.0, what="fresh Register")
+        assert time.monotonic() - started < 1.0
+        assert h.kubelet.calls[-1].error == "" and h.socket().is_socket()
+        # the old stream was ended (OK) before the new registration
+        assert await asyncio.wait_for(call.read(), 2.0) is grpc.aio.EOF
+        assert await call.code() is grpc.StatusCode.OK
+    await h.wait_ready()
+    inode = h.kubelet.socket.stat().st_ino
+    await wait_for(lambda: h.manager._kubelet_inode == inode, what="watcher saw the new kubelet.sock")
+    assert len(h.kubelet.calls) == 2  # one fresh Register, however the events were batched
+    async with h.channel() as channel:  # the new socket serves
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        assert len((await next_message(call)).devices) == 8
+        call.cancel()
+
+
+async def test_own_socket_deleted_is_recreated_and_reregistered(h: PluginHarness) -> None:
+    h.socket().unlink()
+    await wait_for(lambda: len(h.kubelet.calls) == 2, within_s=1.0, what="re-register")
+    assert h.socket().is_socket()
+    await h.wait_ready()
+    assert h.manager.servers[GPU].runs == 2
+
+
+async def test_kubelet_sock_touch_does_not_restart(h: PluginHarness) -> None:
+    h.kubelet.socket.chmod(0o600)  # IN_ATTRIB on kubelet.sock, same inode
+    h.socket("unrelated.sock").touch()  # seen after the chmod: events are handled in order
+    await wait_for(lambda: "unrelated.sock" in h.manager.last_watch_names, what="watch caught up")
+    h.socket("unrelated.sock").unlink()
+    assert len(h.kubelet.calls) == 1 and h.manager.servers[GPU].runs == 1
+
+
+async def test_config_change_rebuilds_servers(h: PluginHarness) -> None:
+    old_socket = h.socket()
+    h.set_plugin_config(PluginConfig(resource_name="example.com/gpu"), "v2")
+    await wait_for(lambda: bool(h.kubelet.calls_for("example.com/gpu")), what="new resource registered")
+    await h.wait_ready()
+    assert not old_socket.exists()
+    assert h.socket("example-gpu.sock").is_socket()
+    assert list(h.manager.servers) == ["example.com/gpu"]
+    # a config change outside the plugin section does not rebuild
+    h.config_state.accept(loaded(replace(h.config_state.config, log_level="debug"), "v3"))
+    await wait_for(
+        lambda: all(s._queue.empty() for s in h.config_state.changes._subscribers), what="config change seen"
+    )
+    assert len(h.kubelet.calls) == 2
+    assert h.manager.servers["example.com/gpu"].runs == 1
+
+
+async def test_exit_removes_sockets() -> None:
+    async with plugin_harness() as h:
+        await h.wait_ready()
+        assert h.socket().is_socket()
+        assert h.task is not None
+        h.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await h.task
+        assert not h.socket().exists()
+        assert h.kubelet.socket.exists()  # never touches the kubelet's socket
+
+
+async def test_nothing_to_serve_is_ready_with_zero_servers() -> None:
+    from agent.config.schema import Config, HealthConfig
+    from agent.config.state import ConfigState
+    from agent.health.monitor import HealthMonitor
+    from agent.inventory.model import Inventory
+    from agent.ownership import OwnershipState
+    from agent.plugin.manager import PluginManager
+    from tests.test_plugin_fakes import FakeCdi, short_tmpdir
+
+    with short_tmpdir() as root:
+        manager = PluginManager(
+            config_state=ConfigState(loaded(Config())),
+            inventory=Inventory.empty("none"),
+            health=HealthMonitor(config=HealthConfig()),
+            ownership=OwnershipState(),
+            cdi=FakeCdi(),
+            kubelet_root=root,
+        )
+        assert not manager.ready  # not before run()
+        task = asyncio.create_task(manager.run())
+        await wait_for(lambda: manager.ready, what="ready with zero servers")
+        assert manager.debug_state()["resources"] == {}
+        assert list((root / "device-plugins").iterdir()) == []
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_connection_to_a_stopped_server_is_closed(h: PluginHarness) -> None:
+    """A client reusing its connection after a restart must reach the new server, not the old."""
+    async with h.channel() as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        await stub.GetDevicePluginOptions(pb.Empty())
+        h.socket().unlink()
+        await wait_for(lambda: len(h.kubelet.calls) == 2, what="re-register")
+        await h.wait_ready()
+        call = stub.ListAndWatch(pb.Empty(), wait_for_ready=True)
+        assert len((await next_message(call)).devices) == 8
+        call.cancel()

@@ -1,0 +1,196 @@
+"""The DevicePlugin servicer over grpclib.testing.ChannelFor: translation and status codes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+import structlog
+from grpclib import GRPCError
+from grpclib.const import Cardinality, Status
+from grpclib.testing import ChannelFor
+
+from agent._proto.deviceplugin import v1beta1 as pb
+from agent.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
+from agent.health.model import Signal, SignalKind
+from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Inventory
+from agent.inventory.simulated import SimulatedBackend
+from agent.ownership import OwnershipState
+from agent.plugin.resources import plan_resources
+from agent.plugin.service import ResourceService
+from agent.plugin.servicer import DevicePluginServicer
+from tests.test_plugin_fakes import FakeCdi, ownership_for
+
+
+@dataclass
+class Env:
+    inv: Inventory
+    health: HealthMonitor
+    ownership: OwnershipState
+    service: ResourceService
+    servicer: DevicePluginServicer
+    stub: pb.DevicePluginStub
+
+    def gpu(self, index: int) -> str:
+        found = self.inv.find(str(index))
+        assert found is not None
+        return found.uuid
+
+
+async def make_env(config: PluginConfig) -> AsyncIterator[Env]:
+    inv = await SimulatedBackend(preset="h100-8x-nvlink", node_name="node-a", health=HealthConfig()).load()
+    health = HealthMonitor(config=HealthConfig())
+    health.set_inventory(inv)
+    ownership = OwnershipState(ownership_for(inv))
+    (res,) = plan_resources(inv, config).resources
+    service = ResourceService(
+        resource=res, config=config, inventory=inv, ownership=ownership, health=health, cdi=FakeCdi()
+    )
+    servicer = DevicePluginServicer(service)
+    async with ChannelFor([servicer]) as channel:
+        yield Env(inv, health, ownership, service, servicer, pb.DevicePluginStub(channel))
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    async for e in make_env(PluginConfig()):
+        yield e
+
+
+async def test_options(env: Env) -> None:
+    options = await env.stub.get_device_plugin_options(pb.Empty())
+    assert options == pb.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+async def test_allocate_translates(env: Env) -> None:
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[env.gpu(0)])])
+    response = await env.stub.allocate(request)
+    assert len(response.container_responses) == 1
+    assert response.container_responses[0].envs == {"NVIDIA_VISIBLE_DEVICES": env.gpu(0)}
+
+
+def bad_requests(env: Env) -> list[tuple[str, object, Status]]:
+    g0, g1, g2 = env.gpu(0), env.gpu(1), env.gpu(2)
+
+    def alloc(*ids: list[str]) -> pb.AllocateRequest:
+        return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=i) for i in ids])
+
+    def pref(avail: list[str], must: list[str], size: int) -> pb.PreferredAllocationRequest:
+        return pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_device_i_ds=avail, must_include_device_i_ds=must, allocation_size=size
+                )
+            ]
+        )
+
+    return [
+        ("allocate: unknown", alloc(["GPU-unknown"]), Status.INVALID_ARGUMENT),
+        ("allocate: unhealthy", alloc([g2]), Status.FAILED_PRECONDITION),
+        ("allocate: not owned", alloc([g1]), Status.FAILED_PRECONDITION),
+        ("allocate: duplicate", alloc([g0, g0]), Status.INVALID_ARGUMENT),
+        ("allocate: empty request", alloc(), Status.INVALID_ARGUMENT),
+        ("allocate: empty container", alloc([]), Status.INVALID_ARGUMENT),
+        ("prestart: unknown", pb.PreStartContainerRequest(devices_ids=["nope"]), Status.INVALID_ARGUMENT),
+        ("prestart: unhealthy", pb.PreStartContainerRequest(devices_ids=[g2]), Status.FAILED_PRECONDITION),
+        ("prestart: not owned", pb.PreStartContainerRequest(devices_ids=[g1]), Status.FAILED_PRECONDITION),
+        ("prestart: duplicate", pb.PreStartContainerRequest(devices_ids=[g0, g0]), Status.INVALID_ARGUMENT),
+        ("prestart: empty", pb.PreStartContainerRequest(devices_ids=[]), Status.INVALID_ARGUMENT),
+        ("preferred: size > available", pref([g0, g1], [], 3), Status.INVALID_ARGUMENT),
+        ("preferred: must-include outside", pref([g0], [g1], 1), Status.INVALID_ARGUMENT),
+        ("preferred: unknown", pref([g0, "x"], [], 1), Status.INVALID_ARGUMENT),
+        ("preferred: zero size", pref([g0], [], 0), Status.INVALID_ARGUMENT),
+        ("preferred: empty request", pb.PreferredAllocationRequest(), Status.INVALID_ARGUMENT),
+    ]
+
+
+async def test_bad_input_statuses_and_server_keeps_serving(env: Env) -> None:
+    env.ownership.update(ownership_for(env.inv, {env.gpu(1): Owner.DRA}, "2"))
+    env.health.observe(Signal(uuid=env.gpu(2), kind=SignalKind.INJECTED_FAULT))
+    calls = {
+        pb.AllocateRequest: env.stub.allocate,
+        pb.PreStartContainerRequest: env.stub.pre_start_container,
+        pb.PreferredAllocationRequest: env.stub.get_preferred_allocation,
+    }
+    for label, request, status in bad_requests(env):
+        with structlog.testing.capture_logs() as logs, pytest.raises(GRPCError) as err:
+            await calls[type(request)](request)  # type: ignore[operator]
+        assert err.value.status is status, label
+        assert err.value.message, label
+        refused = [e for e in logs if e["event"] == "request refused"]
+        assert refused and refused[0]["log_level"] == "warning", label
+        assert "device_ids" in refused[0], label
+    # still serving
+    assert (await env.stub.get_device_plugin_options(pb.Empty())).get_preferred_allocation_available
+
+
+async def test_refusal_log_carries_ids_and_request_context(env: Env) -> None:
+    env.ownership.update(ownership_for(env.inv, {env.gpu(1): Owner.DRA}, "2"))
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[env.gpu(1)])])
+    with (
+        structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs,
+        pytest.raises(GRPCError),
+    ):
+        await env.stub.allocate(request)
+    (entry,) = [e for e in logs if e["event"] == "request refused"]
+    assert entry["device_ids"] == [env.gpu(1)]
+    assert entry["method"] == "Allocate"
+    assert entry["resource"] == "nvidia.com/gpu"
+    assert entry["status"] == "failed-precondition"
+    assert len(entry["request_id"]) == 12
+
+
+async def test_preferred_allocation_on_nvlink_preset(env: Env) -> None:
+    ids = [env.gpu(i) for i in range(8)]
+    request = pb.PreferredAllocationRequest(
+        container_requests=[
+            pb.ContainerPreferredAllocationRequest(
+                available_device_i_ds=ids, must_include_device_i_ds=[env.gpu(5)], allocation_size=4
+            )
+        ]
+    )
+    response = await env.stub.get_preferred_allocation(request)
+    (answer,) = response.container_responses
+    assert len(answer.device_i_ds) == 4
+    assert env.gpu(5) in answer.device_i_ds
+    # all pairs have 18 NVLinks: the NUMA-local GPUs (4-7) win
+    assert set(answer.device_i_ds) == {env.gpu(i) for i in (4, 5, 6, 7)}
+
+
+async def test_preferred_allocation_replicas() -> None:
+    config = PluginConfig(time_slicing=TimeSlicingConfig(replicas=2), replica_policy="pack")
+    async for env in make_env(config):
+        g0, g1 = env.gpu(0), env.gpu(1)
+        avail = [f"{g0}::0", f"{g0}::1", f"{g1}::0", f"{g1}::1"]
+        request = pb.PreferredAllocationRequest(
+            container_requests=[pb.ContainerPreferredAllocationRequest(available_device_i_ds=avail, allocation_size=2)]
+        )
+        (answer,) = (await env.stub.get_preferred_allocation(request)).container_responses
+        assert len({i.split("::")[0] for i in answer.device_i_ds}) == 1  # packed on one GPU
+
+
+async def test_list_and_watch_first_message_and_topology(env: Env) -> None:
+    async with env.stub.channel.request(
+        "/v1beta1.DevicePlugin/ListAndWatch",
+        Cardinality.UNARY_STREAM,
+        pb.Empty,
+        pb.ListAndWatchResponse,
+    ) as stream:
+        await stream.send_message(pb.Empty(), end=True)
+        first = await stream.recv_message()
+        assert first is not None
+        assert [d.id for d in first.devices] == [env.gpu(i) for i in range(8)]
+        assert {d.health for d in first.devices} == {"Healthy"}
+        assert [d.topology.nodes[0].id for d in first.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
+        env.health.observe(Signal(uuid=env.gpu(6), kind=SignalKind.INJECTED_FAULT))
+        env.service.notify()
+        second = await stream.recv_message()
+        assert second is not None
+        assert [d.health for d in second.devices][6] == "Unhealthy"
+        env.service.stop_streams()
+        assert await stream.recv_message() is None  # the stream ends with OK
+        await stream.recv_trailing_metadata()
+    assert not env.servicer.streams
+    assert env.service.changed.subscriber_count == 0
