@@ -10,6 +10,7 @@ then samples /proc for a while. Prints the figures; asserts nothing.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import tempfile
@@ -18,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.agentproc import AgentProcess  # noqa: E402
-from tests.fake_kubelet import FakeKubelet  # noqa: E402
+from tests.agentproc import AgentProcess
+from tests.test_plugin_fakes import FakeKubelet
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -36,39 +37,43 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
 
 
+async def measure(seconds: float, settle: float) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        config = root / "config.yaml"
+        config.write_text("cdi: {enabled: false}\nplugin: {device_list_strategy: [envvar]}\n")
+        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
+        await kubelet.start()
+        agent = AgentProcess(root, ["--simulated", "--config", str(config)])
+        try:
+            t0 = time.monotonic()
+            await asyncio.to_thread(agent.wait_ready, 30)
+            ready_s = time.monotonic() - t0
+            await asyncio.sleep(settle)
+            pid = agent.proc.pid
+            cpu0, wall0 = cpu_seconds(pid), time.monotonic()
+            samples = []
+            while time.monotonic() - wall0 < seconds:
+                samples.append(rss_mib(pid))
+                await asyncio.sleep(1.0)
+            cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0) * 100
+            print("gpu-agent run --simulated (h100-8x-nvlink, 8 GPUs), device plugin registered with a fake kubelet")
+            print(f"  Register calls        {len(kubelet.calls)}")
+            print(f"  start to ready        {ready_s:.2f} s")
+            print(f"  steady RSS            {max(samples):.1f} MiB (max of {len(samples)} samples)")
+            print(f"  idle CPU              {cpu:.2f} % of one core over {seconds:.0f} s")
+            await asyncio.to_thread(agent.terminate)
+        finally:
+            agent.kill()
+            await kubelet.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--settle", type=float, default=3.0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        config = root / "config.yaml"
-        config.write_text("cdi: {enabled: false}\nplugin: {device_list_strategy: [envvar]}\n")
-        (root / "kubelet" / "device-plugins").mkdir(parents=True)
-        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
-        kubelet.start()
-        agent = AgentProcess(root, ["--simulated", "--config", str(config), "--log-level", "warning"])
-        try:
-            t0 = time.monotonic()
-            agent.wait_ready(30)
-            ready_s = time.monotonic() - t0
-            time.sleep(args.settle)
-            pid = agent.proc.pid
-            cpu0, wall0 = cpu_seconds(pid), time.monotonic()
-            samples = []
-            while time.monotonic() - wall0 < args.seconds:
-                samples.append(rss_mib(pid))
-                time.sleep(1.0)
-            cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0) * 100
-            print(f"gpu-agent run --simulated (h100-8x-nvlink), device plugin registered: {len(kubelet.registrations)}")
-            print(f"start to ready        {ready_s:.2f} s")
-            print(f"steady RSS            {max(samples):.1f} MiB (max over {len(samples)} samples)")
-            print(f"idle CPU              {cpu:.2f} % of one core over {args.seconds:.0f} s")
-            agent.terminate()
-        finally:
-            agent.kill()
-            kubelet.stop()
+    asyncio.run(measure(args.seconds, args.settle))
 
 
 if __name__ == "__main__":
