@@ -116,11 +116,25 @@ class Agent:
         """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
         self.compute_ownership(loaded)
 
-    def readiness(self) -> dict[str, str]:
-        checks = {"inventory": "", "debug": "" if self.debug_port else "debug endpoint not listening"}
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """Check name -> (passes, detail), for /readyz and the ``ready`` event."""
+        checks = {
+            "inventory": (True, f"{len(self.inventory.gpus)} GPUs ({self.inventory.backend})"),
+            "debug": (bool(self.debug_port), "" if self.debug_port else "debug endpoint not listening"),
+        }
         if self.plugin is not None:
-            checks["device-plugin"] = "" if self.plugin.ready else "device plugin servers not registered"
+            checks["device-plugin"] = self._plugin_readiness(self.plugin)
         return checks
+
+    @staticmethod
+    def _plugin_readiness(plugin: PluginManager) -> tuple[bool, str]:
+        if plugin.ready:
+            return True, ""
+        if not plugin.kubelet_socket.exists():
+            # no kubelet (yet): nothing is wrong with the agent, and it registers the moment one appears
+            return True, f"waiting for the kubelet: no {plugin.kubelet_socket}"
+        errors = [s.last_error for s in plugin.servers.values() if s.last_error]
+        return False, "device plugin not registered" + (f": {errors[0]}" if errors else "")
 
     def simulated_control(self) -> SimulatedControl | None:
         from agent.inventory.simulated import SimulatedBackend
@@ -229,7 +243,7 @@ async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
 async def _wait_ready(agent: Agent, ready: asyncio.Event) -> None:
     """Set ``ready`` once every readiness check passes; then idle (a root task may not return)."""
     # readiness is a view computed from several components; poll it briefly until it holds
-    while any(agent.readiness().values()):  # noqa: ASYNC110
+    while not all(ok for ok, _ in agent.readiness().values()):  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     log.info("agent ready", status=agent.status, gpus=len(agent.inventory.gpus), debug_port=agent.debug_port)
     ready.set()

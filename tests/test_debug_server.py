@@ -25,12 +25,12 @@ class FakeSim:
         return Signal(uuid="GPU-0", kind=kind, xid=xid)
 
 
-def _context(ready: dict[str, str] | None = None, sim: FakeSim | None = None) -> DebugContext:
+def _context(ready: dict[str, tuple[bool, str]] | None = None, sim: FakeSim | None = None) -> DebugContext:
     registry = CollectorRegistry()
     Counter("gpu_agent_example", "example", registry=registry).inc()
     return DebugContext(
         state=lambda: {"devices": [], "config": {"version": "v", "source": "defaults", "last_error": ""}},
-        readiness=lambda: ready if ready is not None else {"inventory": ""},
+        readiness=lambda: ready if ready is not None else {"inventory": (True, "")},
         status=lambda: "no devices",
         registry=registry,
         simulated=sim,
@@ -50,10 +50,12 @@ async def test_probes_metrics_and_state(aiohttp_client: Any) -> None:
 
 
 async def test_readyz_reports_failing_checks(aiohttp_client: Any) -> None:
-    client = await aiohttp_client(build_app(_context({"inventory": "", "device-plugin": "not registered"})))
+    checks = {"inventory": (True, ""), "device-plugin": (False, "not registered"), "cdi": (True, "a note")}
+    client = await aiohttp_client(build_app(_context(checks)))
     resp = await client.get("/readyz")
     assert resp.status == 503
-    assert (await resp.json())["checks"]["device-plugin"] == "not registered"
+    body = await resp.json()
+    assert body["checks"] == {"inventory": "ok", "device-plugin": "not registered", "cdi": "a note"}
 
 
 async def test_simulated_route_absent_without_simulated_backend(aiohttp_client: Any) -> None:

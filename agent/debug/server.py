@@ -31,8 +31,8 @@ class SimulatedControl(Protocol):
 class DebugContext:
     #: JSON-ready snapshot of the agent for /debug/state
     state: Callable[[], dict[str, Any]]
-    #: check name -> "" when ready, otherwise why not
-    readiness: Callable[[], dict[str, str]]
+    #: check name -> (passes, detail); the detail says why not, or notes something worth knowing
+    readiness: Callable[[], dict[str, tuple[bool, str]]]
     #: "serving" or "no devices"
     status: Callable[[], str]
     registry: CollectorRegistry
@@ -54,13 +54,13 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     context = request.app[CONTEXT]
     checks = context.readiness()
-    failing = {name: why for name, why in checks.items() if why}
+    ready = all(ok for ok, _ in checks.values())
     body = {
-        "ready": not failing,
+        "ready": ready,
         "status": context.status(),
-        "checks": {name: why or "ok" for name, why in checks.items()},
+        "checks": {name: detail or ("ok" if ok else "not ready") for name, (ok, detail) in checks.items()},
     }
-    return web.json_response(body, status=503 if failing else 200, dumps=_dumps)
+    return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:

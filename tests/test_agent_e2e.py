@@ -1,0 +1,136 @@
+"""The whole agent, as a real process, against a grpcio "kubelet" and real HTTP.
+
+This is the path users take: `gpu-agent run --simulated` with a config file, a kubelet
+registration socket in the kubelet root, and health flips through the debug endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
+from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from tests.agentproc import AgentProcess
+from tests.test_plugin_fakes import FakeKubelet, short_tmpdir, wait_for
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+cdi: {enabled: false}
+health: {check_interval_s: 0.2}
+plugin: {device_list_strategy: [envvar]}
+ownership:
+  default: device-plugin
+  nodes:
+    - match: {names: [test-node]}
+      gpus: {"7": dra}
+"""
+
+
+class Stream:
+    """An open ListAndWatch stream whose messages land in a queue."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:  # type: ignore[type-arg]
+        self.call = call
+        self.messages: asyncio.Queue[pb.ListAndWatchResponse] = asyncio.Queue()
+        self.task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        async for message in self.call:
+            await self.messages.put(message)
+
+    async def next_matching(self, predicate: object, within_s: float = 5.0) -> pb.ListAndWatchResponse:
+        async def find() -> pb.ListAndWatchResponse:
+            while True:
+                message = await self.messages.get()
+                if predicate(message):  # type: ignore[operator]
+                    return message
+
+        return await asyncio.wait_for(find(), within_s)
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[tuple[AgentProcess, FakeKubelet, Path]]:
+    with short_tmpdir() as root:
+        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
+        await kubelet.start()
+        config = root / "config.yaml"
+        config.write_text(CONFIG)
+        agent = AgentProcess(root, ["--simulated", "--config", str(config)])
+        try:
+            await asyncio.to_thread(agent.wait_ready)
+            yield agent, kubelet, config
+        finally:
+            agent.kill()
+            await kubelet.stop()
+
+
+def health_of(message: pb.ListAndWatchResponse) -> dict[str, str]:
+    return {d.ID: d.health for d in message.devices}
+
+
+async def test_agent_serves_the_kubelet_end_to_end(running: tuple[AgentProcess, FakeKubelet, Path]) -> None:
+    agent, kubelet, config = running
+    state = agent.state()
+    uuids = [d["uuid"] for d in state["devices"]]
+
+    (call,) = kubelet.calls_for("nvidia.com/gpu")
+    assert call.request.endpoint == "nvidia-gpu.sock" and not call.error
+    assert call.options is not None and call.options.get_preferred_allocation_available
+    assert state["device_plugin"]["ready"] is True
+
+    socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        stream = Stream(stub.ListAndWatch(pb.Empty()))
+        first = await stream.next_matching(lambda m: True)
+        assert set(health_of(first)) == set(uuids[:7])  # GPU 7 belongs to DRA
+        assert set(health_of(first).values()) == {"Healthy"}
+        assert {d.topology.nodes[0].ID for d in first.devices} == {0, 1}
+
+        # a health flip through the debug endpoint reaches the open stream
+        started = time.monotonic()
+        status, _ = await asyncio.to_thread(agent.post, "/debug/simulated/health",
+                                            {"device": "2", "healthy": False, "xid": 79})
+        assert status == 200
+        await stream.next_matching(lambda m: health_of(m).get(uuids[2]) == "Unhealthy")
+        assert time.monotonic() - started < 2.0
+
+        response = await stub.Allocate(pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[0], uuids[1]])]))
+        assert response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[0]},{uuids[1]}"
+        for refused in ([uuids[7]], [uuids[2]], []):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Allocate(pb.AllocateRequest(
+                    container_requests=[pb.ContainerAllocateRequest(devices_ids=refused)]))
+            assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+
+        preferred = await stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
+            pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids[:7], allocation_size=4)]))
+        assert len(preferred.container_responses[0].deviceIDs) == 4
+
+        # a live config change hands every GPU to DRA: the stream empties
+        config.write_text(CONFIG.replace("default: device-plugin", "default: dra"))
+        await stream.next_matching(lambda m: len(m.devices) == 0)
+        stream.task.cancel()
+
+    # a kubelet restart (sockets wiped, new kubelet.sock) leads to a fresh Register
+    await kubelet.restart()
+    await wait_for(lambda: len(kubelet.calls_for("nvidia.com/gpu")) >= 2, within_s=5, what="re-registration")
+    await asyncio.to_thread(wait_for_socket, socket)
+
+    code, took = await asyncio.to_thread(agent.terminate)
+    assert code == 0 and took < 5, agent.output()
+    assert not socket.exists()
+
+
+def wait_for_socket(path: Path) -> None:
+    from tests.agentproc import wait_for as wait_sync
+
+    wait_sync(path.exists, 5, f"{path} to be re-created")
