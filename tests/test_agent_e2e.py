@@ -7,6 +7,7 @@ registration socket in the kubelet root, and health flips through the debug endp
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -123,14 +124,60 @@ async def test_agent_serves_the_kubelet_end_to_end(running: tuple[AgentProcess, 
     # a kubelet restart (sockets wiped, new kubelet.sock) leads to a fresh Register
     await kubelet.restart()
     await wait_for(lambda: len(kubelet.calls_for("nvidia.com/gpu")) >= 2, within_s=5, what="re-registration")
-    await asyncio.to_thread(wait_for_socket, socket)
+    await asyncio.to_thread(wait_for_path, socket)
 
     code, took = await asyncio.to_thread(agent.terminate)
     assert code == 0 and took < 5, agent.output()
     assert not socket.exists()
 
 
-def wait_for_socket(path: Path) -> None:
+def wait_for_path(path: Path) -> None:
     from tests.agentproc import wait_for as wait_sync
 
-    wait_sync(path.exists, 5, f"{path} to be re-created")
+    wait_sync(path.exists, 5, f"{path} to be (re-)created")
+
+
+CDI_CONFIG = """
+cdi: {reconcile_interval_s: 0.3}
+plugin: {device_list_strategy: [cdi-cri, cdi-annotations]}
+"""
+
+
+async def test_cdi_names_from_allocate_exist_on_disk_and_come_back() -> None:
+    """Allocate's CDI names resolve to the spec the agent wrote; a deleted spec is re-created."""
+    from tests.cdi_fixtures import FakeDriver
+
+    with short_tmpdir() as root:
+        driver = FakeDriver(root / "driver", gpu_minors=tuple(range(8))).build()
+        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
+        await kubelet.start()
+        config = root / "config.yaml"
+        config.write_text(CDI_CONFIG)
+        agent = AgentProcess(root, ["--simulated", "--config", str(config), "--driver-root", str(driver.root)])
+        try:
+            await asyncio.to_thread(agent.wait_ready)
+            uuid = agent.state()["devices"][3]["uuid"]
+            socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+            async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+                stub = pb_grpc.DevicePluginStub(channel)
+                response = await stub.Allocate(pb.AllocateRequest(
+                    container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuid])]))
+            container = response.container_responses[0]
+            (name,) = [d.name for d in container.cdi_devices]
+            assert list(container.annotations.values()) == [name]
+
+            kind, _, device = name.partition("=")
+            specs = [p for p in agent.cdi_root.iterdir() if p.suffix == ".json"]
+            assert len(specs) == 1
+            spec = json.loads(specs[0].read_text())
+            assert spec["kind"] == kind and device in {d["name"] for d in spec["devices"]}
+            assert spec["cdiVersion"] == "0.5.0"
+
+            specs[0].unlink()  # a reboot empties /var/run/cdi
+            await asyncio.to_thread(wait_for_path, specs[0])
+            assert json.loads(specs[0].read_text()) == spec
+            assert agent.state()["cdi"]["repairs_total"]["created"] >= 1
+            assert (await asyncio.to_thread(agent.terminate))[0] == 0
+        finally:
+            agent.kill()
+            await kubelet.stop()
