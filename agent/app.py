@@ -31,7 +31,7 @@ from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
 from agent.debug.metrics import AgentCollector, LoopLagProbe
 from agent.debug.server import DebugContext, SimulatedControl, serve_debug
-from agent.errors import AgentError
+from agent.errors import AgentError, ConfigError
 from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
@@ -87,6 +87,9 @@ class Agent:
         self.registry = registry
         self.loop_lag = LoopLagProbe()
         self.debug_port = 0
+        #: labels read from the Node object; the config's node_labels win over them
+        self.api_labels: dict[str, str] = {}
+        self._inventory_changed = asyncio.Event()
         registry.register(
             AgentCollector(
                 devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
@@ -108,9 +111,12 @@ class Agent:
             self.inventory,
             config.ownership,
             node_name=self.node_name,
-            node_labels=config.node_labels,
+            node_labels=self.node_labels(config),
             version=loaded.version,
         )
+
+    def node_labels(self, config: Config) -> dict[str, str]:
+        return {**self.api_labels, **config.node_labels}
 
     def validate(self, loaded: LoadedConfig) -> None:
         """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
@@ -184,7 +190,7 @@ class Agent:
         cs = self.config_state
         return {
             "version": __version__,
-            "node": {"name": self.node_name, "labels": cs.config.node_labels},
+            "node": {"name": self.node_name, "labels": self.node_labels(cs.config)},
             "status": self.status,
             "backend": self.inventory.backend,
             "driver_version": self.inventory.driver_version,
@@ -214,14 +220,67 @@ class Agent:
         with self.config_state.changes.subscribe() as changes:
             async for loaded in changes:
                 self.health.update_config(loaded.config.health)
-                if self.ownership.update(self.compute_ownership(loaded)):
-                    log.info("ownership changed", version=loaded.version, counts=self._owner_counts())
+                self._recompute_ownership(f"config {loaded.version}")
 
     def _owner_counts(self) -> dict[str, int]:
         return {owner.value: n for owner, n in self.ownership.current.counts().items()}
 
     async def watch_health(self) -> None:
-        await self.backend.watch_health(self.inventory, self.health.observe)
+        """Run the backend's health watch, restarting it whenever the inventory changes."""
+        while True:
+            self._inventory_changed.clear()
+            watch = asyncio.create_task(self.backend.watch_health(self.inventory, self.health.observe))
+            changed = asyncio.create_task(self._inventory_changed.wait())
+            try:
+                await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (watch, changed):
+                    task.cancel()
+                await asyncio.gather(watch, changed, return_exceptions=True)
+            if watch.done() and not watch.cancelled():
+                watch.result()  # a failure propagates; a plain return is caught by the guard
+                return
+
+    async def refresh_inventory(self) -> None:
+        """Re-read the backend now and then; hand a changed inventory to every consumer."""
+        while True:
+            await asyncio.sleep(self.config_state.config.inventory_refresh_s)
+            try:
+                inventory = await self.backend.load()
+            except AgentError as exc:
+                log.warning("inventory reload failed; keeping the last inventory", error=str(exc))
+                continue
+            if inventory != self.inventory:
+                self.apply_inventory(inventory)
+
+    def apply_inventory(self, inventory: Inventory) -> None:
+        before = {g.uuid for g in self.inventory.gpus}
+        after = {g.uuid for g in inventory.gpus}
+        log.info(
+            "inventory changed",
+            gpus=len(inventory.gpus),
+            gone=sorted(before - after),
+            new=sorted(after - before),
+            driver=inventory.driver_version,
+        )
+        self.inventory = inventory
+        self.health.set_inventory(inventory)
+        self._recompute_ownership("inventory changed")
+        self.cdi.update_inventory(inventory)
+        if self.plugin is not None:
+            self.plugin.update_inventory(inventory)
+        self._inventory_changed.set()
+
+    def _recompute_ownership(self, reason: str) -> None:
+        """Ownership for the current config, inventory and labels; a config that no longer fits is reported."""
+        try:
+            table = self.compute_ownership(self.config_state.loaded)
+        except ConfigError as exc:
+            self.config_state.reject(str(exc))
+            log.error("ownership not recomputed: the config no longer fits this node", reason=reason, error=str(exc))
+            return
+        if self.ownership.update(table):
+            log.info("ownership changed", reason=reason, counts=self._owner_counts())
 
 
 async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -318,6 +377,7 @@ async def run_agent(
             "health-watch": agent.watch_health,
             "config-follow": agent.follow_config,
             "loop-lag": agent.loop_lag.run,
+            "inventory-refresh": agent.refresh_inventory,
             "cdi-reconcile": cdi.run,
             "ready": lambda: _wait_ready(agent, ready),
         }

@@ -177,3 +177,39 @@ def test_debug_port_in_use(tmp_path: Path, start: object) -> None:
     assert result.returncode == 1
     assert f"debug endpoint cannot listen on 127.0.0.1:{first.port}: address already in use" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+PRESET = """
+name: my-node
+driver_version: "570.124.06"
+cuda_driver_version: "12.8"
+defaults: {{product_name: NVIDIA RTX 6000 Ada Generation, architecture: ada, compute_capability: "8.9",
+           memory_mib: 49140, numa_node: 0}}
+gpus:
+{gpus}
+topology: {{nvlinks: 0, pcie: hostbridge}}
+"""
+
+
+def test_inventory_change_is_picked_up(tmp_path: Path, start: object) -> None:
+    """Editing a simulated preset file stands in for hardware changing under a running agent."""
+    preset = tmp_path / "node.yaml"
+    two = '  - {pci_bus_id: "00000000:01:00.0"}\n  - {pci_bus_id: "00000000:02:00.0"}'
+    preset.write_text(PRESET.format(gpus=two))
+    config = tmp_path / "config.yaml"
+    config.write_text(BASE + "inventory_refresh_s: 0.1\n")
+    agent: AgentProcess = start("--simulated", "--preset", str(preset), "--config", str(config))  # type: ignore[operator]
+    agent.wait_ready()
+    first = agent.state()["devices"]
+    assert len(first) == 2
+
+    preset.write_text(PRESET.format(gpus=two.splitlines()[0]))
+    wait_for(lambda: len(agent.state()["devices"]) == 1, 5, "the GPU to disappear")
+    assert agent.state()["devices"][0]["uuid"] == first[0]["uuid"]
+    status, metrics = agent.get("/metrics")
+    assert 'gpu_agent_devices{health="healthy",owner="device-plugin"} 1.0' in metrics
+
+    preset.write_text("gpus: [oops")  # a broken edit keeps the last inventory
+    wait_for(lambda: "inventory reload failed" in agent.output(), 5, "the reload failure to be logged")
+    assert len(agent.state()["devices"]) == 1
+    assert agent.terminate()[0] == 0

@@ -167,6 +167,7 @@ def check_semantics(config: Config) -> None:
             raise ConfigError(f"{where}: must be greater than 0, got {value!r}")
 
     parse_host_port(config.debug_addr, "debug_addr")
+    positive(config.inventory_refresh_s, "inventory_refresh_s")
     for name in ("kubelet_root", "cdi_root", "state_dir", "driver_root"):
         path = getattr(config.paths, name)
         if not path.is_absolute():

@@ -167,6 +167,8 @@ class Config:
     debug_addr: str = "127.0.0.1:9400"
     kubeconfig: str = ""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # how often the backend is re-read to notice MIG reconfiguration, lost GPUs, driver upgrades
+    inventory_refresh_s: float = 60.0
     paths: PathsConfig = PathsConfig()
     health: HealthConfig = HealthConfig()
     ownership: OwnershipConfig = OwnershipConfig()

@@ -417,9 +417,8 @@ class SimulatedBackend:
     name = "simulated"
 
     def __init__(self, *, preset: str, node_name: str, health: HealthConfig) -> None:
-        loaded = load_preset(preset)
-        self.preset_key, self.description = loaded.key, loaded.spec.description
-        self._inventory = build_inventory(loaded.spec, preset_key=loaded.key, node_name=node_name, label=loaded.label)
+        self._preset, self._node_name = preset, node_name
+        self._inventory = self._build()
         self._health = health
         self._emit: SignalSink | None = None
         self._loop_thread: int | None = None
@@ -428,7 +427,16 @@ class SimulatedBackend:
     async def open(self) -> None:
         return None
 
+    def _build(self) -> Inventory:
+        loaded = load_preset(self._preset)
+        self.preset_key, self.description = loaded.key, loaded.spec.description
+        return build_inventory(loaded.spec, preset_key=loaded.key, node_name=self._node_name, label=loaded.label)
+
     async def load(self) -> Inventory:
+        """The node's devices. A preset *file* is read again, so editing it simulates a change
+        of hardware (MIG reconfiguration, a GPU gone); a bad edit raises ConfigError."""
+        if self._preset not in preset_names():
+            self._inventory = self._build()
         return self._inventory
 
     async def close(self) -> None:
