@@ -5,7 +5,8 @@
   GetDevicePluginOptions before it answers, and records every call.
 * :class:`FakeCdi` — the :class:`~agent.plugin.cdinames.CdiNames` the plugin calls.
 * :class:`PluginHarness` — a :class:`PluginManager` on the simulated ``h100-8x-nvlink`` node in
-  a short temporary kubelet root, with helpers to wait on conditions (never fixed sleeps).
+  a short temporary kubelet root, with helpers to wait on conditions (never fixed sleeps) and
+  to change ownership, plugin config or the inventory the way the agent does.
 """
 
 from __future__ import annotations
@@ -196,6 +197,13 @@ class PluginHarness:
 
     def set_owner(self, gpus: dict[str, Owner], version: str) -> bool:
         return self.ownership.update(ownership_for(self.inventory, gpus, version))
+
+    def set_inventory(self, inventory: Inventory, version: str, gpus: dict[str, Owner] | None = None) -> None:
+        """What the agent's inventory reload does: health, then ownership, then the plugin."""
+        self.inventory = inventory
+        self.health.set_inventory(inventory)
+        self.ownership.update(ownership_for(inventory, gpus, version))
+        self.manager.update_inventory(inventory)
 
     def set_plugin_config(self, plugin: PluginConfig, version: str) -> None:
         self.config_state.accept(loaded(replace(self.config_state.config, plugin=plugin), version))

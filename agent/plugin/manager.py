@@ -4,8 +4,11 @@
 the agent's TaskGroup. ``run`` serves until cancelled:
 
 * one :class:`PluginServer` per resource name that the plugin config and the inventory call
-  for (:func:`plan_resources`); a change of the ``plugin`` config section rebuilds them all
-  (old servers stop and remove their sockets before the new ones serve);
+  for (:func:`plan_resources`). A change of the ``plugin`` config section or of the inventory
+  (:meth:`PluginManager.update_inventory`) re-plans them through one path, :meth:`_apply_plan`:
+  a config change replaces every server, an inventory change keeps each server whose resource
+  name stays (still registered; its ListAndWatch streams get the new list). Servers that go
+  stop and remove their sockets before new ones serve and Register;
 * ``<kubelet_root>/device-plugins`` is watched (inotify, :mod:`agent.fswatch`): a new
   ``kubelet.sock`` (new inode) restarts every server, and a server whose own socket file was
   deleted or replaced restarts alone; each restart is stop -> serve -> Register;
@@ -20,8 +23,10 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
+from agent.config.loader import LoadedConfig
 from agent.config.schema import PluginConfig
 from agent.config.state import ConfigState
+from agent.events import Subscription
 from agent.fswatch import DirectoryWatcher
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
@@ -46,10 +51,6 @@ log = structlog.get_logger("agent.plugin")
 DEVICE_PLUGINS_DIR = "device-plugins"
 
 
-class _Rebuild(Exception):
-    """Raised inside a generation's TaskGroup to replace every server."""
-
-
 class PluginManager:
     def __init__(
         self,
@@ -65,7 +66,9 @@ class PluginManager:
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> None:
         self._config_state = config_state
+        #: the inventory the servers' plan was built from, and the newest one handed to us
         self._inventory = inventory
+        self._latest_inventory = inventory
         self._health = health
         self._ownership = ownership
         self._cdi = cdi
@@ -78,6 +81,9 @@ class PluginManager:
         self._config: PluginConfig = config_state.config.plugin
         self._plan = ResourcePlan()
         self._servers: dict[str, PluginServer] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: set when the plan may be stale (plugin config or inventory changed)
+        self._replan = asyncio.Event()
         self._kubelet_inode: int | None = None
         self._running = False
         self._watch_mode = ""
@@ -107,6 +113,22 @@ class PluginManager:
             "resources": {name: s.debug_state() for name, s in sorted(self._servers.items())},
         }
 
+    @property
+    def inventory(self) -> Inventory:
+        """The inventory the current servers were planned from."""
+        return self._inventory
+
+    def update_inventory(self, inventory: Inventory) -> None:
+        """Re-plan the resources for a new node inventory (MIG reconfigured, GPU gone or added).
+
+        Called by the app's inventory reload on the loop thread, after it has updated health
+        and recomputed ownership, and only when the inventory differs. Returns at once; the
+        plan task applies it (:meth:`_apply_plan`). Before :meth:`run` it only replaces the
+        inventory the first plan is built from.
+        """
+        self._latest_inventory = inventory
+        self._replan.set()
+
     # --- run --------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -114,43 +136,80 @@ class PluginManager:
         self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
         self._kubelet_inode = _inode(self.kubelet_socket)
         try:
-            async with DirectoryWatcher(self.plugin_dir) as watcher:
-                self._watch_mode = watcher.mode
-                while True:
-                    try:
-                        await self._generation(watcher)
-                    except* _Rebuild:
-                        log.info("device plugin config changed, rebuilding servers")
+            # subscribed before the first plan, so no config change slips in between
+            with self._config_state.changes.subscribe() as config_changes:
+                async with DirectoryWatcher(self.plugin_dir) as watcher, asyncio.TaskGroup() as tg:
+                    self._watch_mode = watcher.mode
+                    await self._apply_plan(tg)
+                    self._running = True
+                    tg.create_task(self._watch_plan(tg), name="plugin-watch-plan")
+                    tg.create_task(self._watch_files(watcher), name="plugin-watch-files")
+                    tg.create_task(self._watch_config(config_changes), name="plugin-watch-config")
+                    tg.create_task(self._watch_health(), name="plugin-watch-health")
+                    tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
         finally:
             self._running = False
             self._servers = {}
+            self._tasks = {}
 
-    async def _generation(self, watcher: DirectoryWatcher) -> None:
-        """Serve one plan until the plugin config changes (raises _Rebuild)."""
-        self._config = self._config_state.config.plugin
-        self._plan = plan_resources(self._inventory, self._config)
+    async def _watch_plan(self, tg: asyncio.TaskGroup) -> None:
+        while True:
+            await self._replan.wait()
+            self._replan.clear()
+            await self._apply_plan(tg)
+
+    async def _apply_plan(self, tg: asyncio.TaskGroup) -> None:
+        """Bring the servers in line with the current plugin config and the newest inventory.
+
+        The one (re)build path, run at start and from the plan task only, so never twice at once.
+        A plugin-config change replaces every server: the config shapes each run's service. An
+        inventory change keeps the server of every resource name that stays, registered, and
+        hands it the new device list, inventory and scorer; only its open ListAndWatch streams
+        notice. Servers of resources that go stop (streams end, socket removed) before servers
+        of new resources are started, so a reused socket name is never served twice.
+        """
+        config = self._config_state.config.plugin
+        config_changed = config != self._config
+        inventory = self._latest_inventory
+        self._config, self._inventory = config, inventory
+        if self._scorer.inventory is not inventory:
+            self._scorer = TopologyScorer(inventory)
+        self._plan = plan_resources(inventory, config)
         for problem in self._plan.problems:
             log.warning("device plugin config cannot be fully honoured", problem=problem)
-        self._servers = {
-            r.name: PluginServer(
-                resource=r,
-                make_service=self._make_service,
-                plugin_dir=self.plugin_dir,
-                metrics=self._metrics,
-                backoff=self._backoff,
-                timeouts=self._timeouts,
-            )
-            for r in self._plan.resources
-        }
-        log.info("device plugin resources", resources=self._plan.names())
-        self._running = True
-        async with asyncio.TaskGroup() as tg:
-            for name, server in self._servers.items():
-                tg.create_task(server.run(), name=f"plugin-server:{name}")
-            tg.create_task(self._watch_files(watcher), name="plugin-watch-files")
-            tg.create_task(self._watch_config(), name="plugin-watch-config")
-            tg.create_task(self._watch_health(), name="plugin-watch-health")
-            tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
+        wanted = {r.name: r for r in self._plan.resources}
+        stopped = [name for name in self._servers if config_changed or name not in wanted]
+        kept = [name for name in wanted if name in self._servers and name not in stopped]
+        for name in kept:  # before any await: a kept server never restarts with a stale resource
+            self._servers[name].update(wanted[name], inventory=inventory, scorer=self._scorer)
+        await self._stop_servers(stopped)
+        started = [name for name in wanted if name not in self._servers]
+        for name in started:
+            self._start_server(tg, wanted[name])
+        log.info("device plugin resources", resources=self._plan.names(), started=started, stopped=stopped, kept=kept)
+
+    def _start_server(self, tg: asyncio.TaskGroup, resource: Resource) -> None:
+        server = PluginServer(
+            resource=resource,
+            make_service=self._make_service,
+            plugin_dir=self.plugin_dir,
+            metrics=self._metrics,
+            backoff=self._backoff,
+            timeouts=self._timeouts,
+        )
+        self._servers[resource.name] = server
+        self._tasks[resource.name] = tg.create_task(server.run(), name=f"plugin-server:{resource.name}")
+
+    async def _stop_servers(self, names: list[str]) -> None:
+        """Cancel these servers' tasks and wait until each has closed and removed its socket."""
+        tasks = []
+        for name in names:
+            del self._servers[name]
+            task = self._tasks.pop(name)
+            task.cancel()
+            tasks.append(task)
+        if tasks:
+            await asyncio.wait(tasks)
 
     def _make_service(self, resource: Resource) -> ResourceService:
         return ResourceService(
@@ -187,12 +246,12 @@ class PluginManager:
                 log.warning("device plugin socket was deleted", socket=str(server.socket_path))
                 server.restart("own socket deleted")
 
-    async def _watch_config(self) -> None:
-        with self._config_state.changes.subscribe() as changes:
-            while True:
-                loaded = await changes.get()
-                if loaded.config.plugin != self._config:
-                    raise _Rebuild()
+    async def _watch_config(self, changes: Subscription[LoadedConfig]) -> None:
+        while True:
+            loaded = await changes.get()
+            if loaded.config.plugin != self._config:
+                log.info("device plugin config changed, rebuilding servers")
+                self._replan.set()
 
     def _notify_all(self) -> None:
         for server in self._servers.values():

@@ -31,7 +31,9 @@ import structlog
 from grpclib.client import Channel
 
 from agent._proto.deviceplugin import v1beta1 as pb
+from agent.inventory.model import Inventory
 from agent.plugin.metrics import PluginMetrics
+from agent.plugin.preferred import TopologyScorer
 from agent.plugin.resources import Resource
 from agent.plugin.service import ResourceService
 from agent.plugin.servicer import DevicePluginServicer
@@ -128,6 +130,20 @@ class PluginServer:
             self._restart_reason = reason
             self._restart.set()
 
+    def update(self, resource: Resource, *, inventory: Inventory, scorer: TopologyScorer) -> None:
+        """Adopt a re-planned resource of the same name in place (the inventory changed).
+
+        Called by the manager on the loop thread. No restart and no new Register: the current
+        run's service switches to ``resource`` and ``inventory`` and its open ListAndWatch
+        streams send the new list; a later run gets them from ``make_service``.
+        """
+        if resource.name != self.resource.name:
+            raise ValueError(f"server for {self.resource.name} cannot serve {resource.name}")
+        self.resource = resource
+        if self.service is not None:
+            self.service.update(resource=resource, inventory=inventory, scorer=scorer)
+            self._update_device_gauge()
+
     def notify(self) -> None:
         """The device list may have changed: open ListAndWatch streams send it again."""
         if self.service is not None:
@@ -163,6 +179,9 @@ class PluginServer:
                     await self._stop()
             finally:
                 await self._stop()
+                # gone for good (resource vanished, config rebuild, shutdown): advertises nothing
+                for health in ("Healthy", "Unhealthy"):
+                    self._metrics.devices.labels(self.resource.name, health).set(0)
 
     async def _start(self) -> bool:
         """Serve and self-check, retrying with backoff; False if a restart interrupted it."""

@@ -2,7 +2,8 @@
 
 A :class:`ResourceService` lives as long as one server run (a restart builds a new one), so
 its ``changed`` feed and ``stopping`` flag are per run: stopping a run ends exactly that run's
-ListAndWatch streams.
+ListAndWatch streams. An inventory change that keeps the resource name swaps the resource,
+inventory and scorer in place (:meth:`ResourceService.update`) instead.
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ class ResourceService:
     def notify(self) -> None:
         """Tell every open ListAndWatch stream to send the current list."""
         self.changed.publish(None)
+
+    def update(self, *, resource: Resource, inventory: Inventory, scorer: TopologyScorer) -> None:
+        """Serve a re-planned ``resource`` (same name) for ``inventory``; open streams resend.
+
+        Loop thread only. A request already past its ID checks finishes against the resource
+        it started with; the next one sees the new device list (a GPU that went is then an
+        unknown ID, ``INVALID_ARGUMENT``).
+        """
+        if resource.name != self.resource.name:
+            raise ValueError(f"service for {self.resource.name} cannot serve {resource.name}")
+        self.resource = resource
+        self._inventory = inventory
+        self._scorer = scorer
+        self.notify()
 
     def stop_streams(self) -> None:
         """End every ListAndWatch stream of this run (each returns after its current send)."""
