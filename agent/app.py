@@ -36,6 +36,7 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
 from agent.inventory.model import Inventory
+from agent.kube.labels import label_source
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
 from agent.plugin.manager import PluginManager
 
@@ -271,6 +272,11 @@ class Agent:
             self.plugin.update_inventory(inventory)
         self._inventory_changed.set()
 
+    def on_labels(self, labels: dict[str, str]) -> None:
+        """The Node's labels changed (a pool relabelled): ownership rules may now match differently."""
+        self.api_labels = labels
+        self._recompute_ownership("node labels changed")
+
     def _recompute_ownership(self, reason: str) -> None:
         """Ownership for the current config, inventory and labels; a config that no longer fits is reported."""
         try:
@@ -358,6 +364,9 @@ async def run_agent(
             plugin=plugin,
             registry=registry,
         )
+        labels = label_source(kubeconfig=config.kubeconfig, node_name=node_name, static_labels={})
+        if inventory.gpus:  # a node without GPUs needs no labels and talks to nobody
+            agent.api_labels = await labels.fetch()
         ownership.update(agent.compute_ownership(loaded))
         log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent._owner_counts())
 
@@ -388,6 +397,8 @@ async def run_agent(
             roots["config-watch"] = watcher.run
         if plugin is not None:
             roots["device-plugin"] = plugin.run
+        if inventory.gpus:
+            roots["node-labels"] = lambda: labels.watch(agent.on_labels)
         await _supervise(roots, stop)
     log.info("stopped")
 

@@ -206,7 +206,7 @@ def test_inventory_change_is_picked_up(tmp_path: Path, start: object) -> None:
     preset.write_text(PRESET.format(gpus=two.splitlines()[0]))
     wait_for(lambda: len(agent.state()["devices"]) == 1, 5, "the GPU to disappear")
     assert agent.state()["devices"][0]["uuid"] == first[0]["uuid"]
-    status, metrics = agent.get("/metrics")
+    _, metrics = agent.get("/metrics")
     assert 'gpu_agent_devices{health="healthy",owner="device-plugin"} 1.0' in metrics
 
     preset.write_text("gpus: [oops")  # a broken edit keeps the last inventory
