@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -18,6 +18,7 @@ import pytest
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.agentproc import AgentProcess
+from tests.agentproc import wait_for as sync_wait_for
 from tests.test_plugin_fakes import FakeKubelet, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.integration
@@ -124,17 +125,16 @@ async def test_agent_serves_the_kubelet_end_to_end(running: tuple[AgentProcess, 
     # a kubelet restart (sockets wiped, new kubelet.sock) leads to a fresh Register
     await kubelet.restart()
     await wait_for(lambda: len(kubelet.calls_for("nvidia.com/gpu")) >= 2, within_s=5, what="re-registration")
-    await asyncio.to_thread(wait_for_path, socket)
+    await eventually(socket.exists, "the plugin socket to be re-created")
 
     code, took = await asyncio.to_thread(agent.terminate)
     assert code == 0 and took < 5, agent.output()
     assert not socket.exists()
 
 
-def wait_for_path(path: Path) -> None:
-    from tests.agentproc import wait_for as wait_sync
-
-    wait_sync(path.exists, 5, f"{path} to be (re-)created")
+async def eventually(predicate: Callable[[], object], what: str, within_s: float = 5.0) -> None:
+    """Wait for a condition that blocking calls (HTTP, the file system) answer, off the loop."""
+    await asyncio.to_thread(sync_wait_for, predicate, within_s, what)
 
 
 CDI_CONFIG = """
@@ -174,10 +174,54 @@ async def test_cdi_names_from_allocate_exist_on_disk_and_come_back() -> None:
             assert spec["cdiVersion"] == "0.5.0"
 
             specs[0].unlink()  # a reboot empties /var/run/cdi
-            await asyncio.to_thread(wait_for_path, specs[0])
+            await eventually(specs[0].exists, "the deleted spec to be re-created")
             assert json.loads(specs[0].read_text()) == spec
             assert agent.state()["cdi"]["repairs_total"]["created"] >= 1
             assert (await asyncio.to_thread(agent.terminate))[0] == 0
         finally:
             agent.kill()
             await kubelet.stop()
+
+
+LABEL_CONFIG = """
+cdi: {enabled: false}
+plugin: {enabled: false}
+ownership:
+  default: device-plugin
+  nodes:
+    - match: {labels: {pool: dra}}
+      default: dra
+"""
+
+
+async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -> None:
+    """One ConfigMap for every node: the labels come from the Node object, and a relabel moves the GPUs."""
+    from tests.test_kube_labels import NODE, FakeApi, _kubeconfig, _serve
+
+    api = FakeApi()
+    api.labels = {"pool": "dra"}
+    runner = await _serve(api)
+    config = tmp_path / "config.yaml"
+    config.write_text(LABEL_CONFIG)
+    kubeconfig = _kubeconfig(tmp_path, api.url, {"token": "t0ken"})
+    agent = AgentProcess(tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig),
+                                    "--node-name", NODE])
+    try:
+        await asyncio.to_thread(agent.wait_ready)
+        state = agent.state()
+        assert state["node"]["labels"] == {"pool": "dra"}
+        assert {d["owner"] for d in state["devices"]} == {"dra"}
+        assert api.tokens and api.tokens[0] == "Bearer t0ken"
+
+        await api.next_watch()
+        api.event("MODIFIED", {"pool": "a100"})  # the pool is relabelled back to the device plugin
+
+        def moved() -> bool:
+            return {d["owner"] for d in agent.state()["devices"]} == {"device-plugin"}
+
+        await eventually(moved, "ownership to follow the labels")
+        assert (await asyncio.to_thread(agent.terminate))[0] == 0
+    finally:
+        agent.kill()
+        api.close()
+        await runner.cleanup()
