@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from agent.backoff import Backoff
 from agent.config.loader import LoadedConfig
 from agent.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
 from agent.config.state import ConfigState
@@ -31,7 +32,6 @@ from agent.inventory.model import Inventory
 from agent.inventory.simulated import SimulatedBackend
 from agent.ownership import OwnershipState, compute_ownership
 from agent.plugin.manager import PluginManager
-from agent.plugin.server import Backoff
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 
@@ -255,3 +255,14 @@ async def plugin_harness(
             yield harness
         finally:
             await harness.stop()
+
+
+async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:  # type: ignore[type-arg]
+    """The next ListAndWatch message; fails if the stream ends or stays silent."""
+    message = await asyncio.wait_for(call.read(), within_s)
+    assert message is not grpc.aio.EOF, "ListAndWatch ended"
+    return message  # type: ignore[return-value]
+
+
+def ids_of(message: pb.ListAndWatchResponse) -> list[str]:
+    return [d.ID for d in message.devices]

@@ -18,7 +18,7 @@ import pytest
 from agent.config.schema import Owner, PluginConfig, TimeSlicingConfig
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from tests.test_plugin_fakes import PluginHarness, loaded, plugin_harness, wait_for
+from tests.test_plugin_fakes import PluginHarness, ids_of, loaded, next_message, plugin_harness, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,15 +31,6 @@ async def h() -> AsyncIterator[PluginHarness]:
         await harness.wait_ready()
         yield harness
 
-
-async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:
-    message = await asyncio.wait_for(call.read(), within_s)
-    assert message is not grpc.aio.EOF, "ListAndWatch ended"
-    return message  # type: ignore[return-value]
-
-
-def ids_of(message: pb.ListAndWatchResponse) -> list[str]:
-    return [d.ID for d in message.devices]
 
 
 # --- registration ------------------------------------------------------------------------

@@ -28,7 +28,9 @@ from tests.test_plugin_fakes import (
     PRESET,
     FakeCdi,
     PluginHarness,
+    ids_of,
     loaded,
+    next_message,
     plugin_harness,
     short_tmpdir,
     wait_for,
@@ -77,15 +79,6 @@ async def h() -> AsyncIterator[PluginHarness]:
         await harness.wait_ready()
         yield harness
 
-
-async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:
-    message = await asyncio.wait_for(call.read(), within_s)
-    assert message is not grpc.aio.EOF, "ListAndWatch ended"
-    return message  # type: ignore[return-value]
-
-
-def ids_of(message: pb.ListAndWatchResponse) -> list[str]:
-    return [d.ID for d in message.devices]
 
 
 def allocate(*ids: str) -> pb.AllocateRequest:

@@ -67,17 +67,22 @@ def read_document(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    return parse_yaml_mapping(text, f"config file {path}")
+
+
+def parse_yaml_mapping(text: str, label: str) -> dict[str, Any]:
+    """YAML text that must hold a mapping (empty text is an empty one); one-line ConfigError otherwise."""
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"config file {path} is not valid YAML{where}: {problem}") from exc
+        raise ConfigError(f"{label} is not valid YAML{where}: {problem}") from exc
     if doc is None:
         return {}
     if not isinstance(doc, dict):
-        raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(doc).__name__}")
+        raise ConfigError(f"{label}: expected a mapping at the top level, got {type(doc).__name__}")
     return doc
 
 

@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import structlog
-import yaml
 
-from agent.config.loader import convert, convert_dataclass
+from agent.config.loader import convert, convert_dataclass, parse_yaml_mapping
 from agent.config.schema import HealthConfig
 from agent.errors import AgentError, ConfigError, DeviceNotFoundError
 from agent.health.model import Signal, SignalKind
@@ -194,15 +193,7 @@ def load_preset(preset: str) -> LoadedPreset:
 
 def parse_preset(text: str, label: str) -> PresetSpec:
     """Validate preset YAML; errors are one line: ``<label>: <field>: <problem>``."""
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{label} is not valid YAML{where}: {problem}") from exc
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{label}: expected a mapping at the top level, got {type(doc).__name__}")
+    doc = parse_yaml_mapping(text, label)
     try:
         spec: PresetSpec = convert(PresetSpec, doc, "")
     except ConfigError as exc:

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import structlog
 
+from agent.backoff import Backoff
 from agent.kube.client import (
     METADATA_ACCEPT,
     METADATA_LIST_ACCEPT,
@@ -53,18 +52,6 @@ Clock = Callable[[], float]
 OnChange = Callable[[dict[str, str]], None]
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Delay before retry ``attempt`` (1-based): exponential with jitter, capped."""
-
-    initial_s: float = 0.5
-    factor: float = 2.0
-    max_s: float = 30.0
-    jitter: float = 0.1
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.max_s, self.initial_s * self.factor ** max(0, attempt - 1))
-        return base * (1 + random.uniform(-self.jitter, self.jitter))
 
 
 class StaticLabelSource:

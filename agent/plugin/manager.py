@@ -23,6 +23,7 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
+from agent.backoff import Backoff
 from agent.config.loader import LoadedConfig
 from agent.config.schema import PluginConfig
 from agent.config.state import ConfigState
@@ -39,7 +40,6 @@ from agent.plugin.server import (
     DEFAULT_BACKOFF,
     DEFAULT_TIMEOUTS,
     KUBELET_SOCKET,
-    Backoff,
     PluginServer,
     Timeouts,
     _inode,

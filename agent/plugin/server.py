@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import structlog
 from grpclib.client import Channel
 
 from agent._proto.deviceplugin import v1beta1 as pb
+from agent.backoff import Backoff
 from agent.inventory.model import Inventory
 from agent.plugin.metrics import PluginMetrics
 from agent.plugin.preferred import TopologyScorer
@@ -45,18 +45,6 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 
 
-@dataclass(frozen=True, slots=True)
-class Backoff:
-    """Delay before retry ``attempt`` (1-based): exponential with jitter, capped."""
-
-    initial_s: float = 0.2
-    factor: float = 2.0
-    max_s: float = 30.0
-    jitter: float = 0.1
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.max_s, self.initial_s * self.factor ** max(0, attempt - 1))
-        return base * (1 + random.uniform(-self.jitter, self.jitter))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +56,7 @@ class Timeouts:
     stream_drain_s: float = 0.25
 
 
-DEFAULT_BACKOFF = Backoff()
+DEFAULT_BACKOFF = Backoff(initial_s=0.2)
 DEFAULT_TIMEOUTS = Timeouts()
 
 
