@@ -208,6 +208,11 @@ def test_inventory_change_is_picked_up(tmp_path: Path, start: object) -> None:
     assert agent.state()["devices"][0]["uuid"] == first[0]["uuid"]
     _, metrics = agent.get("/metrics")
     assert 'gpu_agent_devices{health="healthy",owner="device-plugin"} 1.0' in metrics
+    # the health watch restarted on the new inventory: the remaining GPU still takes injections
+    wait_for(lambda: agent.post("/debug/simulated/health", {"device": "1", "healthy": True})[0] == 404, 5,
+             "the health watch to follow the new inventory")
+    assert agent.post("/debug/simulated/health", {"device": "0", "healthy": False})[0] == 200
+    assert agent.state()["devices"][0]["health"] == "unhealthy"
 
     preset.write_text("gpus: [oops")  # a broken edit keeps the last inventory
     wait_for(lambda: "inventory reload failed" in agent.output(), 5, "the reload failure to be logged")
