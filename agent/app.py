@@ -25,12 +25,13 @@ from prometheus_client import CollectorRegistry
 
 from agent import __version__
 from agent.cdi.service import CdiService, NullCdiService
-from agent.config.loader import LoadedConfig, load_config, parse_host_port, to_plain
+from agent.config.loader import LoadedConfig, load_config, parse_host_port
 from agent.config.schema import Config
 from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
 from agent.debug.metrics import AgentCollector, LoopLagProbe
 from agent.debug.server import DebugContext, SimulatedControl, serve_debug
+from agent.debug.state import agent_state
 from agent.errors import AgentError, ConfigError
 from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
@@ -149,70 +150,7 @@ class Agent:
         return self.backend if isinstance(self.backend, SimulatedBackend) else None
 
     def state(self) -> dict[str, Any]:
-        table = self.ownership.current
-        devices = []
-        for gpu in self.inventory.gpus:
-            record = self.health.record(gpu.uuid)
-            devices.append(
-                {
-                    "uuid": gpu.uuid,
-                    "index": gpu.index,
-                    "minor": gpu.minor,
-                    "product_name": gpu.product_name,
-                    "architecture": gpu.architecture,
-                    "compute_capability": gpu.compute_capability,
-                    "memory_mib": gpu.memory_mib,
-                    "pci_bus_id": gpu.pci_bus_id,
-                    "numa_node": gpu.numa_node,
-                    "owner": table.owner_of(gpu.uuid).value,
-                    "health": self.health.state(gpu.uuid).value,
-                    "health_detail": record.as_dict() if record else None,
-                    "mig_enabled": gpu.mig_enabled,
-                    "mig": [
-                        {
-                            "uuid": mig.uuid,
-                            "index": mig.index,
-                            "profile": mig.profile,
-                            "gpu_instance_id": mig.gpu_instance_id,
-                            "compute_instance_id": mig.compute_instance_id,
-                            "memory_mib": mig.memory_mib,
-                            "health": self.health.state(mig.uuid).value,
-                        }
-                        for mig in gpu.mig_devices
-                    ],
-                }
-            )
-        gpus = self.inventory.gpus
-        topology = {
-            f"{a.index}-{b.index}": self.inventory.link(a.uuid, b.uuid).describe()
-            for i, a in enumerate(gpus)
-            for b in gpus[i + 1 :]
-        }
-        cs = self.config_state
-        return {
-            "version": __version__,
-            "node": {"name": self.node_name, "labels": self.node_labels(cs.config)},
-            "status": self.status,
-            "backend": self.inventory.backend,
-            "driver_version": self.inventory.driver_version,
-            "cuda_driver_version": self.inventory.cuda_driver_version,
-            "devices": devices,
-            "topology": topology,
-            "ownership": {
-                "node_rule": table.node_rule,
-                "counts": {owner.value: n for owner, n in table.counts().items()},
-            },
-            "config": {
-                "version": cs.loaded.version,
-                "source": cs.loaded.source,
-                "last_error": cs.last_error,
-                "reloads": cs.reloads,
-                "rejections": cs.rejections,
-                "effective": to_plain(cs.config),
-            },
-            "device_plugin": self.plugin.debug_state() if self.plugin is not None else {"enabled": False},
-            "cdi": self.cdi.debug_state(),
-        }
+        return agent_state(self)
 
     # --- tasks ---------------------------------------------------------------------
 

@@ -39,11 +39,17 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
             }
             for g in gpus
         ],
-        "topology": {
-            f"{a.index}-{b.index}": inventory.link(a.uuid, b.uuid).describe()
-            for i, a in enumerate(gpus)
-            for b in gpus[i + 1 :]
-        },
+        "topology": topology_map(inventory),
+    }
+
+
+def topology_map(inventory: Inventory) -> dict[str, str]:
+    """``"<i>-<j>"`` -> ``NV18`` / ``PIX`` / ``SYS``... for every pair of GPUs."""
+    gpus = inventory.gpus
+    return {
+        f"{a.index}-{b.index}": inventory.link(a.uuid, b.uuid).describe()
+        for i, a in enumerate(gpus)
+        for b in gpus[i + 1 :]
     }
 
 
