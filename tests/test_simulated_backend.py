@@ -15,7 +15,8 @@ from agent.errors import AgentError, ConfigError, DeviceNotFoundError
 from agent.health.model import HealthState, Signal, SignalKind
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory, PcieLevel
-from agent.inventory.simulated import DEFAULT_PRESET, SimulatedBackend, preset_names
+from agent.inventory.preset import DEFAULT_PRESET, preset_names
+from agent.inventory.simulated import SimulatedBackend
 
 FAST = HealthConfig(check_interval_s=0.005, recovery_quiet_s=0.0)
 
