@@ -161,7 +161,7 @@ class Agent:
                 self.health.update_config(loaded.config.health)
                 self._recompute_ownership(f"config {loaded.version}")
 
-    def _owner_counts(self) -> dict[str, int]:
+    def owner_counts(self) -> dict[str, int]:
         return {owner.value: n for owner, n in self.ownership.current.counts().items()}
 
     async def watch_health(self) -> None:
@@ -224,7 +224,7 @@ class Agent:
             log.error("ownership not recomputed: the config no longer fits this node", reason=reason, error=str(exc))
             return
         if self.ownership.update(table):
-            log.info("ownership changed", reason=reason, counts=self._owner_counts())
+            log.info("ownership changed", reason=reason, counts=self.owner_counts())
 
 
 async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -306,7 +306,7 @@ async def run_agent(
         if inventory.gpus:  # a node without GPUs needs no labels and talks to nobody
             agent.api_labels = await labels.fetch()
         ownership.update(agent.compute_ownership(loaded))
-        log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent._owner_counts())
+        log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent.owner_counts())
 
         host, port = parse_host_port(config.debug_addr, "debug_addr")
         context = DebugContext(
