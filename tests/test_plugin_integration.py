@@ -380,3 +380,56 @@ async def test_connection_to_a_stopped_server_is_closed(h: PluginHarness) -> Non
         call = stub.ListAndWatch(pb.Empty(), wait_for_ready=True)
         assert len((await next_message(call)).devices) == 8
         call.cancel()
+
+
+async def test_missing_device_plugins_dir_is_waited_for() -> None:
+    """No kubelet yet and the directory cannot be made: the manager waits instead of crashing."""
+    from agent.config.schema import Config
+    from agent.config.state import ConfigState
+    from agent.health.monitor import HealthMonitor
+    from agent.inventory.simulated import SimulatedBackend
+    from agent.ownership import OwnershipState
+    from agent.plugin.manager import PluginManager
+    from tests.test_plugin_fakes import (
+        FAST_BACKOFF,
+        FAST_HEALTH,
+        NODE,
+        PRESET,
+        FakeCdi,
+        FakeKubelet,
+        ownership_for,
+        short_tmpdir,
+    )
+
+    with short_tmpdir() as root:
+        blocker = root / "device-plugins"
+        blocker.write_text("not a directory")  # mkdir fails, as it would without permission
+        inventory = await SimulatedBackend(preset=PRESET, node_name=NODE, health=FAST_HEALTH).load()
+        health = HealthMonitor(config=FAST_HEALTH)
+        health.set_inventory(inventory)
+        manager = PluginManager(
+            config_state=ConfigState(loaded(Config())),
+            inventory=inventory,
+            health=health,
+            ownership=OwnershipState(ownership_for(inventory)),
+            cdi=FakeCdi(),
+            kubelet_root=root,
+            backoff=FAST_BACKOFF,
+        )
+        task = asyncio.create_task(manager.run())
+        try:
+            await wait_for(lambda: manager.servers and manager.servers[GPU].last_error, what="a failed start")
+            assert not task.done() and not manager.ready
+
+            blocker.unlink()  # the kubelet starts: it makes the directory and its socket
+            kubelet = FakeKubelet(blocker)
+            await kubelet.start()
+            try:
+                await wait_for(lambda: manager.ready, within_s=5.0, what="registration once the kubelet is there")
+                assert kubelet.calls_for(GPU)
+            finally:
+                await kubelet.stop()
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task

@@ -133,7 +133,16 @@ class PluginManager:
 
     async def run(self) -> None:
         """Serve until cancelled; sockets are removed on the way out."""
-        self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        try:
+            self.plugin_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            # not ours to create (no kubelet here, or no permission): servers retry with backoff
+            # and the directory watcher notices when the kubelet makes it and its socket
+            log.warning(
+                "cannot create the device-plugins directory; waiting for the kubelet",
+                dir=str(self.plugin_dir),
+                error=exc.strerror or str(exc),
+            )
         self._kubelet_inode = _inode(self.kubelet_socket)
         try:
             # subscribed before the first plan, so no config change slips in between
