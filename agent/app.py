@@ -346,9 +346,9 @@ async def _start_cdi(
 ) -> CdiService | NullCdiService:
     """The CDI service with its device-plugin spec written, or the null service.
 
-    A spec that cannot be written at start is not fatal on a real node: the reconciler keeps
-    retrying and /debug/state shows why. Simulated GPUs have no driver to describe, so unless
-    ``--driver-root`` points at one, CDI is switched off for them with one warning.
+    A spec that cannot be written at start is not fatal: the reconciler keeps retrying and
+    /debug/state shows why. Simulated GPUs on a node without a driver get env-only specs
+    (the service chooses its driver source, agent/cdi/driversource.py).
     """
     if not config.cdi.enabled or not inventory.gpus:
         return NullCdiService()
@@ -362,9 +362,6 @@ async def _start_cdi(
     try:
         await cdi.ensure_device_plugin_spec()
     except AgentError as exc:
-        if inventory.backend == "simulated":
-            log.warning("CDI specs switched off for simulated GPUs (no driver found)", reason=str(exc))
-            return NullCdiService()
         log.error("CDI device-plugin spec not written; the reconciler keeps retrying", error=str(exc))
     return cdi
 

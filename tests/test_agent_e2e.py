@@ -183,6 +183,57 @@ async def test_cdi_names_from_allocate_exist_on_disk_and_come_back() -> None:
             await kubelet.stop()
 
 
+SIMULATED_CDI_CONFIG = """
+cdi: {reconcile_interval_s: 0.3}
+plugin: {device_list_strategy: [envvar, volume-mounts, cdi-annotations, cdi-cri]}
+"""
+
+
+async def test_simulated_node_without_driver_answers_every_strategy() -> None:
+    """No --driver-root ("/" holds no NVIDIA driver): env-only CDI specs, names that resolve on disk."""
+    from agent.cdi.discovery import DriverDiscovery
+
+    if DriverDiscovery(Path("/")).installed_versions():
+        pytest.skip("this host's / holds an NVIDIA driver: the agent would describe that driver instead")
+    with short_tmpdir() as root:
+        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
+        await kubelet.start()
+        config = root / "config.yaml"
+        config.write_text(SIMULATED_CDI_CONFIG)
+        agent = AgentProcess(root, ["--simulated", "--config", str(config)])
+        try:
+            await asyncio.to_thread(agent.wait_ready)
+            state = agent.state()
+            assert state["cdi"]["enabled"] is True and state["cdi"]["driver_mode"] == "simulated"
+            uuids = [d["uuid"] for d in state["devices"][:2]]
+            socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+            async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
+                stub = pb_grpc.DevicePluginStub(channel)
+                response = await stub.Allocate(pb.AllocateRequest(
+                    container_requests=[pb.ContainerAllocateRequest(devices_ids=uuids)]))
+            container = response.container_responses[0]
+            assert "NVIDIA_VISIBLE_DEVICES" in container.envs  # envvar, then volume-mounts
+            assert len(container.mounts) == 2  # volume-mounts
+            names = [d.name for d in container.cdi_devices]  # cdi-cri
+            assert len(names) == 2
+            assert list(container.annotations.values()) == [",".join(names)]  # cdi-annotations
+
+            specs = {p.name: json.loads(p.read_text()) for p in agent.cdi_root.iterdir() if p.suffix == ".json"}
+            (spec,) = specs.values()
+            assert spec["cdiVersion"] == "0.5.0"
+            assert spec["containerEdits"] == {"env": ["GPU_AGENT_SIMULATED=true"]}
+            devices = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+            assert all(set(edits) == {"env"} for edits in devices.values())  # env only, every device
+            for name, uuid in zip(names, uuids, strict=True):
+                kind, _, device = name.partition("=")
+                assert spec["kind"] == kind and device in devices
+                assert any(e.endswith(f"={uuid}") for e in devices[device]["env"])
+            assert (await asyncio.to_thread(agent.terminate))[0] == 0
+        finally:
+            agent.kill()
+            await kubelet.stop()
+
+
 LABEL_CONFIG = """
 cdi: {enabled: false}
 plugin: {enabled: false}

@@ -1,7 +1,8 @@
 """A real CDI consumer: Debian's podman runs a busybox container with devices from our specs.
 
 The specs come from the agent's own code path (CdiService over a fake driver root whose
-nodes have /dev/null's numbers). podman only reads /etc/cdi and /var/run/cdi, so each run
+nodes have /dev/null's numbers, or over an empty driver root for simulated GPUs, whose
+specs are environment variables only). podman only reads /etc/cdi and /var/run/cdi, so each run
 happens in a private mount namespace with the test's spec directory bound over /etc/cdi
 and an empty one over /var/run/cdi; nothing of the host's CDI setup is seen or changed.
 Settings this sandbox needs are in shared/reference/cdi-real-consumer.md.
@@ -176,6 +177,49 @@ async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Pa
     hooks = hook_log.read_text().splitlines()
     assert any(line.startswith("update-ldcache --folder") for line in hooks), hooks
     print(f"podman run timings: {timings}")
+
+
+SIMULATED_CHECK_SCRIPT = """
+set -e
+env | grep '^GPU_AGENT_SIMULATED' | sort
+ls /dev | grep -c '^nvidia' || true
+"""
+
+
+async def test_podman_runs_simulated_devices(podman: Podman, tmp_path: Path) -> None:
+    """Simulated GPUs on a node without a driver: the env-only spec resolves and its env arrives."""
+    empty_root = tmp_path / "root"  # exists, holds no NVIDIA driver: env-only specs
+    empty_root.mkdir()
+    cdi_dir = tmp_path / "cdi"
+    inv = inventory(2)
+    service = CdiService(config=CdiConfig(), cdi_root=cdi_dir, driver_root=empty_root, inventory=inv)
+    await service.ensure_device_plugin_spec()
+    g0, g1 = inv.gpus
+    claim = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000002", [g0.uuid])
+    assert service.debug_state()["driver_mode"] == "simulated"
+
+    cases = {
+        "by uuid": ([service.device_name(g1.uuid)], [f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"]),
+        "by index": ([service.index_device_name("0")], [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}"]),
+        "two devices": (
+            [service.device_name(g0.uuid), service.index_device_name("1")],
+            [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}", f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"],
+        ),
+        "all": (
+            [service.index_device_name("all")],
+            [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}", f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"],
+        ),
+        "claim": (claim, [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}"]),
+    }
+    for label, (devices, device_env) in cases.items():
+        flags = [arg for d in devices for arg in ("--device", d)]
+        result = podman.run_in_namespace(
+            cdi_dir, ["run", "--rm", "--network", "none", *flags, IMAGE, "sh", "-c", SIMULATED_CHECK_SCRIPT]
+        )
+        assert result.returncode == 0, f"{label} {devices}: {result.stderr}\n{result.stdout}"
+        *env, nvidia_nodes = result.stdout.splitlines()
+        assert env == sorted(["GPU_AGENT_SIMULATED=true", *device_env]), (label, result.stdout)
+        assert nvidia_nodes == "0", (label, result.stdout)  # env only: no device nodes
 
 
 def test_podman_rejects_unknown_device(podman: Podman, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import typer
 from agent.cdi import generate
 from agent.cdi import spec as cdi_spec
 from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
+from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, InvalidSpecError, SpecWriteError
 from agent.cdi.writer import atomic_write, read_spec_file, spec_files
 from agent.config.schema import CdiConfig, Config, PathsConfig
@@ -44,8 +45,8 @@ def render_device_plugin_spec(
     """The device plugin spec of ``inventory`` as JSON text; CdiError when there is nothing to write."""
     if not len(inventory):
         raise CdiError("this node has no GPUs: there is no device plugin spec to generate")
-    discovery = DriverDiscovery(driver_root, hook_candidates=hook_candidates)
-    driver = discovery.discover(generate.gpu_minors(inventory), generate.cap_minors(inventory))
+    source = choose_driver_source(inventory.backend, DriverDiscovery(driver_root, hook_candidates=hook_candidates))
+    driver = source.look(inventory)  # the same choice the agent makes: simulated GPUs may get env-only edits
     result = generate.device_plugin_spec(kind, inventory, driver)
     if result.spec is None:
         raise CdiError(f"no GPU of this node has its device nodes: {'; '.join(result.skipped)}")

@@ -26,6 +26,7 @@ import structlog
 from agent.cdi import ldcache
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.spec import ContainerEdits, DeviceNode, Hook, Mount
+from agent.inventory.model import Gpu, MigDevice
 
 log = structlog.get_logger("agent.cdi")
 
@@ -67,6 +68,10 @@ _VERSION = r"\d+\.\d+(?:\.\d+)?"
 _ANCHOR = re.compile(rf"^lib(nvidia-ml|cuda)\.so\.({_VERSION})$")
 
 
+def _versions(listing: Mapping[str, list[str]]) -> set[str]:
+    return {m.group(2) for names in listing.values() for n in names if (m := _ANCHOR.match(n))}
+
+
 def gpu_node_path(minor: int) -> str:
     return f"/dev/nvidia{minor}"
 
@@ -97,6 +102,23 @@ class DriverFiles:
             mounts=self.mounts,
             hooks=self.hooks,
         )
+
+    def gpu_edits(self, gpu: Gpu) -> ContainerEdits | None:
+        """The GPU's node; None when it is missing on the host."""
+        node = self.gpu_nodes.get(gpu.minor)
+        return ContainerEdits(device_nodes=(node,)) if node is not None else None
+
+    def mig_edits(self, gpu: Gpu, mig: MigDevice) -> ContainerEdits | None:
+        """The parent's node and the GI and CI capability nodes; None when one is missing."""
+        if mig.gi_cap_minor is None or mig.ci_cap_minor is None:
+            return None
+        nodes = (
+            self.gpu_nodes.get(gpu.minor),
+            self.cap_nodes.get(mig.gi_cap_minor),
+            self.cap_nodes.get(mig.ci_cap_minor),
+        )
+        present = tuple(n for n in nodes if n is not None)
+        return ContainerEdits(device_nodes=present) if len(present) == len(nodes) else None
 
 
 def resolve_in_root(root: Path, path: str) -> str | None:
@@ -203,8 +225,20 @@ class DriverDiscovery:
             return []
         return [e.path for e in entries]
 
-    def _libraries(self, root: Path) -> tuple[list[str], str, list[str]]:
-        """(versioned driver libraries, the driver version, links to them) as container paths."""
+    def installed_versions(self) -> set[str]:
+        """Driver versions whose ``libnvidia-ml``/``libcuda`` lie under the root; empty: no driver.
+
+        Blocking, but cheap (the linker cache and a few directory listings). A root that does
+        not exist raises DriverDiscoveryError: it is a wrong path, not a node without a driver.
+        """
+        root = self.driver_root
+        if not root.is_dir():
+            raise DriverDiscoveryError(f"driver root {root} does not exist or is not a directory")
+        _, listing = self._library_listing(root)
+        return _versions(listing)
+
+    def _library_listing(self, root: Path) -> tuple[list[str], dict[str, list[str]]]:
+        """(linker cache paths, {library dir: file names}) of the directories that may hold the driver."""
         cached = self._cache_paths(root)
         dirs: list[str] = []
         for path in cached:
@@ -222,7 +256,12 @@ class DriverDiscovery:
                 listing[d] = sorted(os.listdir(root / d.lstrip("/")))
             except OSError:
                 continue
-        versions = {m.group(2) for names in listing.values() for n in names if (m := _ANCHOR.match(n))}
+        return cached, listing
+
+    def _libraries(self, root: Path) -> tuple[list[str], str, list[str]]:
+        """(versioned driver libraries, the driver version, links to them) as container paths."""
+        cached, listing = self._library_listing(root)
+        versions = _versions(listing)
         if not versions:
             looked = ", ".join(str(root / d.lstrip("/")) for d in listing) or f"{root} (no library directories)"
             raise DriverDiscoveryError(f"no NVIDIA driver libraries (libnvidia-ml.so.<version>) found in {looked}")

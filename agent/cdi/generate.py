@@ -5,20 +5,42 @@ UUID and by ``<gpu index>:<mig index>``, and ``all``; the driver's common edits 
 level. Per-claim spec (one file per prepared DRA claim): a device per claimed device named
 ``<claim uid>-<device>``, self-contained (common edits included). A device whose nodes are
 missing on the host is left out and listed in ``skipped``: no name points at gone hardware.
+
+What goes into each device comes from a :class:`DriverView` (the installed driver's files,
+or the simulated driver's environment variables); names, kinds and files are the same for
+both, so callers never know which one they got.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from agent.cdi.discovery import DriverFiles
 from agent.cdi.errors import UnknownCdiDeviceError
 from agent.cdi.names import claim_device_name, device_part, split_kind
 from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Spec, check
 from agent.inventory.model import Gpu, Inventory, MigDevice
 
 ALL_DEVICES = "all"
+
+
+class DriverView(Protocol):
+    """One look at the driver: the container edits of the node's devices.
+
+    Implemented by :class:`agent.cdi.discovery.DriverFiles` (an installed driver) and
+    :class:`agent.cdi.driversource.SimulatedDriver`. ``None`` from a device method means
+    the device cannot be handed out now (its nodes are missing) and is skipped.
+    """
+
+    @property
+    def version(self) -> str: ...
+
+    def common_edits(self) -> ContainerEdits: ...
+
+    def gpu_edits(self, gpu: Gpu) -> ContainerEdits | None: ...
+
+    def mig_edits(self, gpu: Gpu, mig: MigDevice) -> ContainerEdits | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,63 +62,57 @@ def cap_minors(inventory: Inventory) -> list[int]:
     return out
 
 
-def gpu_nodes(gpu: Gpu, driver: DriverFiles) -> tuple[DeviceNode, ...] | None:
-    node = driver.gpu_nodes.get(gpu.minor)
-    return (node,) if node is not None else None
-
-
-def mig_nodes(gpu: Gpu, mig: MigDevice, driver: DriverFiles) -> tuple[DeviceNode, ...] | None:
-    if mig.gi_cap_minor is None or mig.ci_cap_minor is None:
-        return None
-    nodes = [driver.gpu_nodes.get(gpu.minor), driver.cap_nodes.get(mig.gi_cap_minor)]
-    nodes.append(driver.cap_nodes.get(mig.ci_cap_minor))
-    if any(n is None for n in nodes):
-        return None
-    return tuple(n for n in nodes if n is not None)
+def union(edits: Iterable[ContainerEdits]) -> ContainerEdits:
+    """The edits of several devices at once (the ``all`` device): env and nodes, first one wins."""
+    env: dict[str, None] = {}
+    nodes: dict[str, DeviceNode] = {}
+    for edit in edits:
+        env.update(dict.fromkeys(edit.env))
+        for node in edit.device_nodes:
+            nodes.setdefault(node.path, node)
+    return ContainerEdits(env=tuple(env), device_nodes=tuple(nodes.values()))
 
 
 def _skip_reason(what: str, uuid: str) -> str:
     return f"{uuid}: {what} device nodes missing on the host"
 
 
-def device_plugin_spec(kind: str, inventory: Inventory, driver: DriverFiles) -> GeneratedSpec:
+def device_plugin_spec(kind: str, inventory: Inventory, driver: DriverView) -> GeneratedSpec:
     split_kind(kind)
     devices: list[Device] = []
     names: dict[str, str] = {}
     skipped: list[str] = []
-    every: dict[str, DeviceNode] = {}
+    every: list[ContainerEdits] = []
 
-    def add(keys: Sequence[str], nodes: tuple[DeviceNode, ...]) -> None:
-        edits = ContainerEdits(device_nodes=nodes)
+    def add(keys: Sequence[str], edits: ContainerEdits) -> None:
         for key in keys:
             name = device_part(key)
             devices.append(Device(name=name, container_edits=edits))
             names[key] = name
-        for node in nodes:
-            every.setdefault(node.path, node)
+        every.append(edits)
 
     for gpu in sorted(inventory, key=lambda g: g.index):
-        nodes = gpu_nodes(gpu, driver)
-        if nodes is None:
+        edits = driver.gpu_edits(gpu)
+        if edits is None:
             skipped.append(_skip_reason("GPU", gpu.uuid))
             continue
-        add((gpu.uuid, str(gpu.index)), nodes)
+        add((gpu.uuid, str(gpu.index)), edits)
         for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
-            mnodes = mig_nodes(gpu, mig, driver)
-            if mnodes is None:
+            medits = driver.mig_edits(gpu, mig)
+            if medits is None:
                 skipped.append(_skip_reason("MIG", mig.uuid))
                 continue
-            add((mig.uuid, f"{gpu.index}:{mig.index}"), mnodes)
+            add((mig.uuid, f"{gpu.index}:{mig.index}"), medits)
     if not devices:
         return GeneratedSpec(spec=None, names={}, skipped=tuple(skipped))
-    devices.append(Device(name=ALL_DEVICES, container_edits=ContainerEdits(device_nodes=tuple(every.values()))))
+    devices.append(Device(name=ALL_DEVICES, container_edits=union(every)))
     names[ALL_DEVICES] = ALL_DEVICES
     spec = Spec.at_minimum_version(kind=kind, devices=tuple(devices), container_edits=driver.common_edits())
     return GeneratedSpec(spec=check(spec), names=names, skipped=tuple(skipped))
 
 
 def claim_spec(
-    kind: str, claim_uid: str, device_ids: Sequence[str], inventory: Inventory, driver: DriverFiles
+    kind: str, claim_uid: str, device_ids: Sequence[str], inventory: Inventory, driver: DriverView
 ) -> GeneratedSpec:
     """The transient spec of one claim; ``device_ids`` are GPU or MIG UUIDs (or GPU indexes).
 
@@ -108,12 +124,12 @@ def claim_spec(
     names: dict[str, str] = {}
     skipped: list[str] = []
     for device_id in dict.fromkeys(device_ids):
-        nodes = _claimed_nodes(device_id, inventory, driver)
-        if nodes is None:
+        edits = _claimed_edits(device_id, inventory, driver)
+        if edits is None:
             skipped.append(_skip_reason("claimed", device_id))
             continue
         name = claim_device_name(claim_uid, device_id)
-        devices.append(Device(name=name, container_edits=ContainerEdits(device_nodes=nodes)))
+        devices.append(Device(name=name, container_edits=edits))
         names[device_id] = name
     if not devices:
         return GeneratedSpec(spec=None, names={}, skipped=tuple(skipped))
@@ -121,14 +137,14 @@ def claim_spec(
     return GeneratedSpec(spec=check(spec), names=names, skipped=tuple(skipped))
 
 
-def _claimed_nodes(device_id: str, inventory: Inventory, driver: DriverFiles) -> tuple[DeviceNode, ...] | None:
+def _claimed_edits(device_id: str, inventory: Inventory, driver: DriverView) -> ContainerEdits | None:
     gpu = inventory.find(device_id)
     if gpu is not None:
-        return gpu_nodes(gpu, driver)
+        return driver.gpu_edits(gpu)
     mig = inventory.find_mig(device_id)
     if mig is not None:
         parent = inventory.find(mig.parent_uuid)
         if parent is None:
             raise UnknownCdiDeviceError(f"MIG device {device_id} has no parent GPU {mig.parent_uuid} in the inventory")
-        return mig_nodes(parent, mig, driver)
+        return driver.mig_edits(parent, mig)
     raise UnknownCdiDeviceError(f"device {device_id!r} is not on this node")

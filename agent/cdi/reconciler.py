@@ -1,12 +1,14 @@
 """One pass that makes the agent's spec files match the host.
 
 The desired state is computed from scratch each pass (inventory + a fresh look at the
-driver + the prepared claims); the files the agent owns are then compared byte for byte
-with it: a missing file is created (the CDI directory is usually a tmpfs that a reboot
-empties), a differing one rewritten (corrupt, edited, or made for another driver version
-or other device numbers), and an owned file nothing wants is deleted (an orphan claim
-spec, or the device plugin spec of a node whose GPUs are gone). Errors are collected per
-file so one bad file does not stop the others. Blocking: run it in a worker thread.
+driver from the service's DriverSource, installed or simulated + the prepared claims); the
+files the agent owns are then compared byte for byte with it: a missing file is created
+(the CDI directory is usually a tmpfs that a reboot empties), a differing one rewritten
+(corrupt, edited, or made for another driver version or other device numbers), and an
+owned file nothing wants is deleted (an orphan claim spec, or the device plugin spec of a
+node whose GPUs are gone). A simulated driver has no device nodes to check; its specs
+change only with the inventory. Errors are collected per file so one bad file does not
+stop the others. Blocking: run it in a worker thread.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import structlog
 
 from agent.cdi import generate
 from agent.cdi import spec as cdi_spec
-from agent.cdi.discovery import DriverDiscovery, DriverFiles
+from agent.cdi.driversource import DriverSource
 from agent.cdi.errors import CdiError, InvalidSpecError
+from agent.cdi.generate import DriverView
 from agent.cdi.names import claim_uid_of, spec_file_name, transient_spec_file_name
 from agent.cdi.writer import SpecWriter
 from agent.inventory.model import Inventory
@@ -71,7 +74,7 @@ def desired_state(
     claim_kind: str,
     inventory: Inventory,
     claims: Mapping[str, Sequence[str]],
-    driver: DriverFiles,
+    driver: DriverView,
 ) -> Desired:
     """Pure: every file the agent should own, by name."""
     files: dict[str, cdi_spec.Spec] = {}
@@ -96,15 +99,15 @@ def desired_state(
 
 class Reconciler:
     def __init__(
-        self, *, writer: SpecWriter, discovery: DriverDiscovery, device_plugin_kind: str, claim_kind: str
+        self, *, writer: SpecWriter, source: DriverSource, device_plugin_kind: str, claim_kind: str
     ) -> None:
         self.writer = writer
-        self.discovery = discovery
+        self.source = source
         self.device_plugin_kind = device_plugin_kind
         self.claim_kind = claim_kind
 
-    def discover(self, inventory: Inventory) -> DriverFiles:
-        return self.discovery.discover(generate.gpu_minors(inventory), generate.cap_minors(inventory))
+    def discover(self, inventory: Inventory) -> DriverView:
+        return self.source.look(inventory)
 
     def reconcile(self, inventory: Inventory, claims: Mapping[str, Sequence[str]]) -> ReconcileReport:
         repairs: list[Repair] = []
@@ -115,7 +118,7 @@ class Reconciler:
             owned = set(self.writer.owned_files())
         except CdiError as exc:
             return ReconcileReport(at=utc_now(), errors=(str(exc),))
-        driver: DriverFiles | None = None
+        driver: DriverView | None = None
         desired = Desired(files={}, names={}, skipped=(), errors=())
         wanted: set[str] = set()
         if len(inventory) or claims:

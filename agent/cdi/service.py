@@ -11,6 +11,10 @@ Contract for callers:
 * ``run`` reconciles at start and then every ``reconcile_interval_s`` (sooner after
   ``update_inventory``), repairing deleted, drifted and orphaned files. It never ends by
   itself; errors are logged, counted and shown on ``debug_state``, never raised.
+
+Where the device edits come from (the installed driver, or env-only edits for simulated
+GPUs on a node without a driver) is decided once, at construction, by
+:func:`agent.cdi.driversource.choose_driver_source`; names and files are the same either way.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.cdi import generate
 from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
+from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
@@ -62,6 +67,9 @@ class CdiProvider(Protocol):
 
 
 class CdiService:
+    """The real CDI service. Building it on a simulated node looks at the driver root once
+    (a few directory listings) to choose the driver source."""
+
     def __init__(
         self,
         *,
@@ -77,9 +85,12 @@ class CdiService:
         self._cdi_root = cdi_root
         self._driver_root = driver_root
         self._writer = SpecWriter(cdi_root, (config.device_plugin_kind, config.claim_kind))
+        self._driver = choose_driver_source(
+            inventory.backend, DriverDiscovery(driver_root, hook_candidates=hook_candidates)
+        )
         self._reconciler = Reconciler(
             writer=self._writer,
-            discovery=DriverDiscovery(driver_root, hook_candidates=hook_candidates),
+            source=self._driver,
             device_plugin_kind=config.device_plugin_kind,
             claim_kind=config.claim_kind,
         )
@@ -245,6 +256,7 @@ class CdiService:
             "enabled": True,
             "cdi_root": str(self._cdi_root),
             "driver_root": str(self._driver_root),
+            "driver_mode": self._driver.mode,
             "driver_version": last.driver_version if last else None,
             "files": list(last.owned) if last else [],
             "claims": sorted(self.prepared_claims()),
