@@ -1,8 +1,8 @@
 """Steady-state RSS and idle CPU of ``gpu-agent run`` on the 8-GPU simulated preset.
 
 Runs the agent as a real process in a temporary root (device plugin serving against a fake
-kubelet, CDI off since there is no driver here), waits until it is ready, lets it settle,
-then samples /proc for a while. Prints the figures; asserts nothing.
+kubelet, env-only CDI specs reconciled in the temporary CDI root), waits until it is ready,
+lets it settle, then samples /proc for a while. Prints the figures; asserts nothing.
 
     python bench/bench_agent.py [--seconds 20]
 """
@@ -41,7 +41,7 @@ async def measure(seconds: float, settle: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         config = root / "config.yaml"
-        config.write_text("cdi: {enabled: false}\nplugin: {device_list_strategy: [envvar]}\n")
+        config.write_text("plugin: {device_list_strategy: [envvar, cdi-cri]}\n")
         kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
         await kubelet.start()
         agent = AgentProcess(root, ["--simulated", "--config", str(config)])
@@ -57,7 +57,8 @@ async def measure(seconds: float, settle: float) -> None:
                 samples.append(rss_mib(pid))
                 await asyncio.sleep(1.0)
             cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - wall0) * 100
-            print("gpu-agent run --simulated (h100-8x-nvlink, 8 GPUs), device plugin registered with a fake kubelet")
+            print("gpu-agent run --simulated (h100-8x-nvlink, 8 GPUs)")
+            print("  device plugin registered with a fake kubelet, CDI specs reconciled")
             print(f"  Register calls        {len(kubelet.calls)}")
             print(f"  start to ready        {ready_s:.2f} s")
             print(f"  steady RSS            {max(samples):.1f} MiB (max of {len(samples)} samples)")
