@@ -223,6 +223,9 @@ def _set_dotted(doc: dict[str, Any], dotted: str, value: Any) -> None:
     node[last] = value
 
 
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def _join(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
 
@@ -315,7 +318,8 @@ def convert_dataclass(tp: type[Any], value: Any, where: str) -> Any:
     for key in value:
         if key not in fields:
             known = ", ".join(sorted(fields))
-            raise ConfigError(f"{_join(where, str(key))}: unknown field (known fields here: {known})")
+            shown = key if isinstance(key, str) and _PLAIN_KEY.fullmatch(key) else repr(key)
+            raise ConfigError(f"{_join(where, shown)}: unknown field (known fields here: {known})")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in value:

@@ -36,7 +36,7 @@ from agent.config.schema import Owner, PluginConfig
 from agent.errors import AgentError
 from agent.ownership import OwnershipTable
 from agent.plugin.cdinames import CdiNames
-from agent.plugin.errors import AllocationError, ErrorKind
+from agent.plugin.errors import AllocationError, ErrorKind, format_ids
 from agent.plugin.resources import HealthLookup, PluginDevice, Resource
 
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
@@ -64,10 +64,6 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()
 
 
-def _ids(ids: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(ids[:limit])
-    return shown if len(ids) <= limit else f"{shown} (+{len(ids) - limit} more)"
-
 
 def resolve_ids(
     resource: Resource,
@@ -84,12 +80,12 @@ def resolve_ids(
     dups = sorted(i for i, n in Counter(ids).items() if n > 1)
     if dups:
         raise AllocationError(
-            ErrorKind.INVALID_ARGUMENT, f"{what} {name}: duplicate device IDs {_ids(dups)}", tuple(dups)
+            ErrorKind.INVALID_ARGUMENT, f"{what} {name}: duplicate device IDs {format_ids(dups)}", tuple(dups)
         )
     unknown = [i for i in ids if i not in resource.by_id]
     if unknown:
         raise AllocationError(
-            ErrorKind.INVALID_ARGUMENT, f"{what} {name}: unknown device IDs {_ids(unknown)}", tuple(unknown)
+            ErrorKind.INVALID_ARGUMENT, f"{what} {name}: unknown device IDs {format_ids(unknown)}", tuple(unknown)
         )
     devices = [resource.by_id[i] for i in ids]
     foreign = [d.id for d in devices if ownership.owner_of(d.gpu_uuid) is not Owner.DEVICE_PLUGIN]
@@ -97,13 +93,13 @@ def resolve_ids(
         owners = sorted({ownership.owner_of(resource.by_id[i].gpu_uuid).value for i in foreign})
         raise AllocationError(
             ErrorKind.FAILED_PRECONDITION,
-            f"{what} {name}: devices not owned by the device plugin (owner {', '.join(owners)}): {_ids(foreign)}",
+            f"{what} {name}: devices not owned by the device plugin (owner {', '.join(owners)}): {format_ids(foreign)}",
             tuple(foreign),
         )
     sick = [d.id for d in devices if not health.is_healthy(d.target_uuid)]
     if sick:
         raise AllocationError(
-            ErrorKind.FAILED_PRECONDITION, f"{what} {name}: unhealthy devices {_ids(sick)}", tuple(sick)
+            ErrorKind.FAILED_PRECONDITION, f"{what} {name}: unhealthy devices {format_ids(sick)}", tuple(sick)
         )
     if resource.replicas > 1 and resource.fail_requests_greater_than_one:
         per_target = Counter(d.target_uuid for d in devices)
@@ -111,7 +107,7 @@ def resolve_ids(
         if shared:
             raise AllocationError(
                 ErrorKind.INVALID_ARGUMENT,
-                f"{what} {name}: several replicas of one device requested ({_ids(shared)}); "
+                f"{what} {name}: several replicas of one device requested ({format_ids(shared)}); "
                 "time_slicing.fail_requests_greater_than_one refuses them",
                 tuple(shared),
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from enum import StrEnum
 
 from agent.errors import AgentError
@@ -19,3 +21,16 @@ class AllocationError(AgentError):
         super().__init__(message)
         self.kind = kind
         self.device_ids = device_ids
+
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9_.:/=-]+")
+
+
+def format_ids(ids: Sequence[str], limit: int = 8) -> str:
+    """Device IDs for an error or log message: the first ``limit``, then a count.
+
+    IDs come from the kubelet's side of a socket, so anything but a plain ID is shown quoted
+    (a newline in an ID must never split a log line).
+    """
+    shown = ", ".join(i if _PLAIN_ID.fullmatch(i) else repr(i) for i in ids[:limit])
+    return shown if len(ids) <= limit else f"{shown} (+{len(ids) - limit} more)"

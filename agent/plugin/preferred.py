@@ -44,7 +44,7 @@ from math import comb
 from typing import Literal, NoReturn
 
 from agent.inventory.model import Inventory, PcieLevel, link_key
-from agent.plugin.errors import AllocationError, ErrorKind
+from agent.plugin.errors import AllocationError, ErrorKind, format_ids
 
 ReplicaPolicy = Literal["pack", "spread"]
 
@@ -144,19 +144,19 @@ def _validate(available: Sequence[str], must_include: Sequence[str], size: int, 
     for label, ids in (("available", available), ("must-include", must_include)):
         dups = sorted(d for d, n in Counter(ids).items() if n > 1)
         if dups:
-            _invalid(f"duplicate {label} device IDs: {_names(dups)}", dups)
+            _invalid(f"duplicate {label} device IDs: {format_ids(dups)}", dups)
     avail = set(available)
     missing = [d for d in must_include if d not in avail]
     if missing:
-        _invalid(f"must-include device IDs are not available: {_names(missing)}", missing)
+        _invalid(f"must-include device IDs are not available: {format_ids(missing)}", missing)
     unknown = [d for d in available if d not in gpu_of]
     if unknown:
-        _invalid(f"unknown device IDs (no physical GPU): {_names(unknown)}", unknown)
+        _invalid(f"unknown device IDs (no physical GPU): {format_ids(unknown)}", unknown)
     if size > len(available):
         _invalid(f"allocation size {size} exceeds the {len(available)} available devices", ())
     if len(must_include) > size:
         _invalid(
-            f"{len(must_include)} must-include devices exceed allocation size {size}: {_names(must_include)}",
+            f"{len(must_include)} must-include devices exceed allocation size {size}: {format_ids(must_include)}",
             must_include,
         )
 
@@ -164,10 +164,6 @@ def _validate(available: Sequence[str], must_include: Sequence[str], size: int, 
 def _invalid(message: str, ids: Sequence[str]) -> NoReturn:
     raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"preferred allocation: {message}", tuple(ids))
 
-
-def _names(ids: Sequence[str], limit: int = 8) -> str:
-    shown = ", ".join(ids[:limit])
-    return shown if len(ids) <= limit else f"{shown} (+{len(ids) - limit} more)"
 
 
 @dataclass(frozen=True, slots=True)
