@@ -126,7 +126,8 @@ class UnixGrpcServer:
         try:
             # handlers were cancelled by close(); a handler that swallows cancellation must
             # not hold up a restart forever
-            await asyncio.wait_for(server.wait_closed(), self._close_timeout)
+            async with asyncio.timeout(self._close_timeout):
+                await server.wait_closed()
         except TimeoutError:
             log.warning("gRPC handlers did not finish in time", path=str(self.path), timeout_s=self._close_timeout)
         finally:
@@ -149,7 +150,8 @@ class UnixGrpcServer:
 async def socket_accepts(path: Path, *, within_s: float) -> bool:
     """Whether something accepts connections on the Unix socket ``path`` within ``within_s``."""
     try:
-        _reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), within_s)
+        async with asyncio.timeout(within_s):
+            _reader, writer = await asyncio.open_unix_connection(str(path))
     except (OSError, TimeoutError):
         return False
     writer.close()

@@ -237,6 +237,34 @@ async def test_running_loop_repairs_within_one_period(
             await task
 
 
+async def test_deleted_spec_is_back_long_before_the_period(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """The directory watch repairs at once; the period (an hour here) is only the backstop."""
+    service = CdiService(
+        config=CdiConfig(reconcile_interval_s=3600),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=inventory(2),
+        registry=registry,
+        hook_candidates=[],
+    )
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        spec = tmp_path / "cdi" / "k8s.gpu-node-agent.nvidia.com-gpu.json"
+        await wait_for(spec.exists, within=SLACK)
+        original = spec.read_bytes()
+        spec.unlink()
+        await wait_for(spec.exists, within=2.0)
+        assert spec.read_bytes() == original
+        (tmp_path / "cdi" / "someone-else.json").write_text("{}")  # not ours: ignored, untouched
+        assert (tmp_path / "cdi" / "someone-else.json").read_text() == "{}"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 async def test_corrupt_is_reported_as_such(service: CdiService, tmp_path: Path) -> None:
     _corrupt(tmp_path, FakeDriver(tmp_path))
     await service.reconcile_once()

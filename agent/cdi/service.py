@@ -36,6 +36,7 @@ from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_f
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
 from agent.config.schema import CdiConfig
+from agent.fswatch import DirectoryWatcher
 from agent.inventory.model import Inventory
 
 log = structlog.get_logger("agent.cdi")
@@ -235,7 +236,21 @@ class CdiService:
             log.warning("cdi.reconcile_failed", errors=list(report.errors))
 
     async def run(self) -> None:
-        """Reconcile now and then every interval until cancelled."""
+        """Reconcile now, then every interval and whenever one of our files changes, until cancelled.
+
+        The interval is the guarantee; the directory watch is the fast path (a spec deleted by
+        hand, or a tmpfs emptied, is back within milliseconds instead of at the next tick).
+        """
+        async with DirectoryWatcher(self._cdi_root) as watcher, asyncio.TaskGroup() as tg:
+            tg.create_task(self._kick_on_changes(watcher), name="cdi-watch")
+            await self._reconcile_loop()
+
+    async def _kick_on_changes(self, watcher: DirectoryWatcher) -> None:
+        async for names in watcher:
+            if any(self._writer.owns(name) for name in names):
+                self._kick.set()
+
+    async def _reconcile_loop(self) -> None:
         interval = self._config.reconcile_interval_s
         while True:
             self._kick.clear()
@@ -247,8 +262,11 @@ class CdiService:
                 self._errors.inc()
                 self._last_error = f"reconcile crashed: {exc!r}"
                 log.exception("cdi.reconcile_crashed")
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the kick fires, and this loop would then never stop
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), timeout=interval)
+                async with asyncio.timeout(interval):
+                    await self._kick.wait()
 
     def debug_state(self) -> dict[str, object]:
         last = self._last

@@ -69,7 +69,8 @@ class ConfigWatcher:
         async with DirectoryWatcher(self._path.parent) as watcher:
             while True:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(anext(watcher), timeout=self._resync_interval_s)
+                    async with asyncio.timeout(self._resync_interval_s):
+                        await anext(watcher)
                 self.check()
 
     def check(self) -> bool:

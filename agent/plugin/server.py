@@ -249,7 +249,8 @@ class PluginServer:
     async def _wait_restart(self, delay: float) -> bool:
         """Sleep ``delay`` seconds unless a restart is requested first (then True)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._restart.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._restart.wait()
         return self._restart.is_set()
 
     async def _stop(self) -> None:
