@@ -348,7 +348,9 @@ async def _start_cdi(
 
     A spec that cannot be written at start is not fatal: the reconciler keeps retrying and
     /debug/state shows why. Simulated GPUs on a node without a driver get env-only specs
-    (the service chooses its driver source, agent/cdi/driversource.py).
+    (the service chooses its driver source, agent/cdi/driversource.py). Specs name driver
+    files under ``paths.host_driver_root``, where the host's runtime sees what the agent
+    sees under ``paths.driver_root``.
     """
     if not config.cdi.enabled or not inventory.gpus:
         return NullCdiService()
@@ -356,6 +358,7 @@ async def _start_cdi(
         config=config.cdi,
         cdi_root=config.paths.cdi_root,
         driver_root=config.paths.driver_root,
+        host_driver_root=config.paths.host_driver_root,
         inventory=inventory,
         registry=registry,
     )

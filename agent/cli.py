@@ -101,6 +101,9 @@ def run(
     cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.")] = None,
     driver_root: Annotated[Path | None, typer.Option(help="Where the NVIDIA driver's files live.")] = None,
+    host_driver_root: Annotated[
+        Path | None, typer.Option(help="Where the host's container runtime sees the driver root (CDI specs).")
+    ] = None,
     debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9400).")] = None,
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: in-cluster).")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
@@ -117,6 +120,7 @@ def run(
         paths__cdi_root=cdi_root,
         paths__state_dir=state_dir,
         paths__driver_root=driver_root,
+        paths__host_driver_root=host_driver_root,
         debug_addr=debug_addr,
         kubeconfig=kubeconfig,
         log_level=log_level,

@@ -103,3 +103,25 @@ def test_check_reports_every_problem_one_per_line(tmp_path: Path) -> None:
 def test_check_missing_directory(tmp_path: Path) -> None:
     result = runner.invoke(cli.cdi_app, ["check", str(tmp_path / "nope")])
     assert result.exit_code == 1 and "not a directory" in result.output
+
+
+def test_generate_command_names_host_paths(tmp_path: Path, fake_backend: list[Config]) -> None:
+    driver = FakeDriver(tmp_path / "driver-root").build()
+    host_root = tmp_path / "host" / "run" / "nvidia" / "driver"  # where the runtime would see it; not here
+    args = ["generate", "--driver-root", str(driver.root), "--host-driver-root", str(host_root), "--simulated"]
+    result = runner.invoke(cli.cdi_app, args)
+    assert result.exit_code == 0, result.output
+    spec = s.loads(result.stdout)
+    assert s.validate(spec) == []
+    edits = [spec.container_edits, *(d.container_edits for d in spec.devices)]
+    paths = [n.host_path or n.path for e in edits for n in e.device_nodes]
+    paths += [m.host_path for e in edits for m in e.mounts]
+    assert paths and all(p.startswith(f"{host_root}/") for p in paths), paths
+    assert fake_backend[0].paths.host_driver_root == host_root
+
+
+def test_generate_command_rejects_a_relative_host_driver_root(tmp_path: Path, fake_backend: list[Config]) -> None:
+    driver = FakeDriver(tmp_path / "root").build()
+    result = runner.invoke(cli.cdi_app, ["generate", "--driver-root", str(driver.root), "--host-driver-root", "run"])
+    assert result.exit_code == 1
+    assert "error: paths.host_driver_root: must be an absolute path" in result.output

@@ -232,3 +232,36 @@ def test_podman_rejects_unknown_device(podman: Podman, tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "unresolvable CDI devices" in result.stderr
+
+
+async def test_podman_runs_devices_when_the_agent_sees_the_driver_elsewhere(podman: Podman, tmp_path: Path) -> None:
+    """A pod mounts the host's driver root somewhere else: specs must name the host's paths.
+
+    The agent's view is a link to the driver (standing in for the pod's mount); it is removed
+    before podman runs, as the runtime on the host never sees the pod's mounts.
+    """
+    driver = FakeDriver(tmp_path / "host" / "run" / "nvidia" / "driver").build()
+    pod_view = tmp_path / "pod" / "driver-root"
+    pod_view.parent.mkdir()
+    pod_view.symlink_to(driver.root, target_is_directory=True)
+    hook_log = tmp_path / "hook.log"
+    cdi_dir = tmp_path / "cdi"
+    service = CdiService(
+        config=CdiConfig(hook_path=fake_hook(tmp_path / "hook", hook_log)),
+        cdi_root=cdi_dir,
+        driver_root=pod_view,
+        host_driver_root=driver.root,
+        inventory=inventory(2),
+        hook_candidates=[],
+    )
+    await service.ensure_device_plugin_spec()
+    pod_view.unlink()
+    assert str(pod_view) not in next(cdi_dir.iterdir()).read_text()
+    device = service.device_name(inventory(2).gpus[0].uuid)
+    result = podman.run_in_namespace(
+        cdi_dir, ["run", "--rm", "--network", "none", "--device", device, IMAGE, "sh", "-c", CHECK_SCRIPT]
+    )
+    assert result.returncode == 0, f"{result.stderr}\n{result.stdout}"
+    out = result.stdout.splitlines()
+    assert {"node0 1:3", "ctl 1:3", f"lib libcuda {VERSION}", "smi ok", "fw firmware"} <= set(out), out
+    assert any(line.startswith("update-ldcache --folder") for line in hook_log.read_text().splitlines())

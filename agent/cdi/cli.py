@@ -39,13 +39,22 @@ def render_device_plugin_spec(
     inventory: Inventory,
     *,
     driver_root: Path,
+    host_driver_root: Path | None = None,
+    hook_path: Path | None = None,
     kind: str = CdiConfig().device_plugin_kind,
     hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
 ) -> str:
-    """The device plugin spec of ``inventory`` as JSON text; CdiError when there is nothing to write."""
+    """The device plugin spec of ``inventory`` as JSON text; CdiError when there is nothing to write.
+
+    Files are looked at under ``driver_root``; the spec names them under ``host_driver_root``
+    (None: the same), exactly as the agent's own specs do.
+    """
     if not len(inventory):
         raise CdiError("this node has no GPUs: there is no device plugin spec to generate")
-    source = choose_driver_source(inventory.backend, DriverDiscovery(driver_root, hook_candidates=hook_candidates))
+    discovery = DriverDiscovery(
+        driver_root, host_driver_root=host_driver_root, hook_path=hook_path, hook_candidates=hook_candidates
+    )
+    source = choose_driver_source(inventory.backend, discovery)
     driver = source.look(inventory)  # the same choice the agent makes: simulated GPUs may get env-only edits
     result = generate.device_plugin_spec(kind, inventory, driver)
     if result.spec is None:
@@ -120,6 +129,13 @@ def generate_command(
     driver_root: Annotated[
         Path | None, typer.Option("--driver-root", help="where the driver's files live: / or e.g. /run/nvidia/driver")
     ] = None,
+    host_driver_root: Annotated[
+        Path | None,
+        typer.Option(
+            "--host-driver-root",
+            help="where the host's container runtime sees the driver root, if not where this command does",
+        ),
+    ] = None,
     output: Annotated[str, typer.Option("--output", "-o", help="file to write atomically, or - for stdout")] = "-",
     config_file: Annotated[Path | None, typer.Option("--config", help="the agent's config file")] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="auto, nvml or simulated")] = None,
@@ -130,6 +146,8 @@ def generate_command(
     overrides: dict[str, Any] = {}
     if driver_root is not None:
         overrides["paths.driver_root"] = str(driver_root)
+    if host_driver_root is not None:
+        overrides["paths.host_driver_root"] = str(host_driver_root)
     if simulated:
         overrides["backend"] = "simulated"
     elif backend is not None:
@@ -143,7 +161,11 @@ def generate_command(
             config = _load_config(config_file, overrides)
             inventory = asyncio.run(_load_inventory(config))
             text = render_device_plugin_spec(
-                inventory, driver_root=config.paths.driver_root, kind=config.cdi.device_plugin_kind
+                inventory,
+                driver_root=config.paths.driver_root,
+                host_driver_root=config.paths.host_driver_root,
+                hook_path=config.cdi.hook_path,
+                kind=config.cdi.device_plugin_kind,
             )
         write_output(text, output, stdout)
     except AgentError as exc:

@@ -5,6 +5,13 @@ inside it are what a container sees; the same path prefixed with the root is the
 path. Device nodes live under the driver root when it has ``dev/nvidiactl``, otherwise
 under the host's ``/dev`` (a driver container creates its nodes on the host).
 
+Everything is looked at under the root as the agent sees it (``driver_root``); every host
+path put into a node, mount or hook goes through one :class:`~agent.cdi.roots.RootMapping`,
+so a pod that mounts the host's ``/run/nvidia/driver`` at ``/driver-root`` writes specs
+that name ``/run/nvidia/driver/...`` (``host_driver_root``). The hook binary is the host's
+``hook_path`` when one is configured (taken as given: the agent may not see it), else the
+first executable of ``hook_candidates``.
+
 Required: the root itself, exactly one driver version (``libnvidia-ml.so.<version>``),
 ``libcuda.so.<version>`` and ``/dev/nvidiactl``; without one of them
 :class:`DriverDiscoveryError` names the path. Everything else is optional, logged once
@@ -25,6 +32,7 @@ import structlog
 
 from agent.cdi import ldcache
 from agent.cdi.errors import DriverDiscoveryError
+from agent.cdi.roots import RootMapping
 from agent.cdi.spec import ContainerEdits, DeviceNode, Hook, Mount
 from agent.inventory.model import Gpu, MigDevice
 
@@ -159,10 +167,14 @@ class DriverDiscovery:
         self,
         driver_root: Path,
         *,
+        host_driver_root: Path | None = None,
+        hook_path: Path | None = None,
         hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
         machine: str | None = None,
     ) -> None:
         self.driver_root = driver_root
+        self.roots = RootMapping(driver_root, host_driver_root if host_driver_root is not None else driver_root)
+        self._hook_path = hook_path
         self._hook_candidates = tuple(hook_candidates)
         self._machine = machine
         self._reported: set[str] = set()
@@ -292,7 +304,8 @@ class DriverDiscovery:
 
     def _mount(self, root: Path, path: str, options: tuple[str, ...] = READ_ONLY) -> Mount:
         real = resolve_in_root(root, path) or path
-        return Mount(host_path=str(root / real.lstrip("/")), container_path=path, options=options)
+        host_path = self.roots.host_path(str(root / real.lstrip("/")))
+        return Mount(host_path=host_path, container_path=path, options=options)
 
     def _utilities(self, root: Path, missing: list[str]) -> list[Mount]:
         out: list[Mount] = []
@@ -331,9 +344,12 @@ class DriverDiscovery:
         return out
 
     def _hook_binary(self, missing: list[str]) -> Path | None:
+        """The hook binary's path on the host, or None: without it there are no hooks."""
+        if self._hook_path is not None:
+            return self._hook_path
         for candidate in self._hook_candidates:
             if candidate.is_file() and os.access(candidate, os.X_OK):
-                return candidate
+                return Path(self.roots.host_path(str(candidate)))
         missing.extend(str(c) for c in self._hook_candidates[:1])
         return None
 
@@ -354,8 +370,8 @@ class DriverDiscovery:
 
     # -- device nodes -----------------------------------------------------------------------
 
-    @staticmethod
-    def _node(dev_root: Path, path: str) -> DeviceNode | None:
+    def _node(self, dev_root: Path, path: str) -> DeviceNode | None:
+        """Stat'ed where the agent sees it; the spec names it where the host does."""
         host = dev_root / path.lstrip("/")
         try:
             st = host.stat()
@@ -367,7 +383,8 @@ class DriverDiscovery:
             kind = "b"
         else:
             return None
-        host_path = str(host) if str(host) != path else None
+        on_host = self.roots.host_path(str(host))
+        host_path = on_host if on_host != path else None
         return DeviceNode(
             path=path, host_path=host_path, type=kind, major=os.major(st.st_rdev), minor=os.minor(st.st_rdev)
         )

@@ -69,7 +69,12 @@ class CdiProvider(Protocol):
 
 class CdiService:
     """The real CDI service. Building it on a simulated node looks at the driver root once
-    (a few directory listings) to choose the driver source."""
+    (a few directory listings) to choose the driver source.
+
+    ``driver_root`` is where the agent sees the driver; ``host_driver_root`` (None: the same)
+    where the host's container runtime sees it, which is what the specs name. The hook
+    binary is ``config.hook_path`` (a host path) when set, else the first of ``hook_candidates``.
+    """
 
     def __init__(
         self,
@@ -79,6 +84,7 @@ class CdiService:
         driver_root: Path,
         inventory: Inventory,
         registry: CollectorRegistry | None = None,
+        host_driver_root: Path | None = None,
         hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
     ) -> None:
         self._config = config
@@ -86,9 +92,14 @@ class CdiService:
         self._cdi_root = cdi_root
         self._driver_root = driver_root
         self._writer = SpecWriter(cdi_root, (config.device_plugin_kind, config.claim_kind))
-        self._driver = choose_driver_source(
-            inventory.backend, DriverDiscovery(driver_root, hook_candidates=hook_candidates)
+        discovery = DriverDiscovery(
+            driver_root,
+            host_driver_root=host_driver_root,
+            hook_path=config.hook_path,
+            hook_candidates=hook_candidates,
         )
+        self._host_driver_root = discovery.roots.host_root
+        self._driver = choose_driver_source(inventory.backend, discovery)
         self._reconciler = Reconciler(
             writer=self._writer,
             source=self._driver,
@@ -274,6 +285,7 @@ class CdiService:
             "enabled": True,
             "cdi_root": str(self._cdi_root),
             "driver_root": str(self._driver_root),
+            "host_driver_root": str(self._host_driver_root),
             "driver_mode": self._driver.mode,
             "driver_version": last.driver_version if last else None,
             "files": list(last.owned) if last else [],
@@ -326,8 +338,16 @@ def create_cdi_service(
     driver_root: Path,
     inventory: Inventory,
     registry: CollectorRegistry | None = None,
+    host_driver_root: Path | None = None,
 ) -> CdiProvider:
     """The composition root's one call: the real service, or the null one when disabled."""
     if not config.enabled:
         return NullCdiService()
-    return CdiService(config=config, cdi_root=cdi_root, driver_root=driver_root, inventory=inventory, registry=registry)
+    return CdiService(
+        config=config,
+        cdi_root=cdi_root,
+        driver_root=driver_root,
+        inventory=inventory,
+        registry=registry,
+        host_driver_root=host_driver_root,
+    )

@@ -40,6 +40,8 @@ ENV_FIELDS: dict[str, str] = {
     "CDI_ROOT": "paths.cdi_root",
     "STATE_DIR": "paths.state_dir",
     "DRIVER_ROOT": "paths.driver_root",
+    "HOST_DRIVER_ROOT": "paths.host_driver_root",
+    "CDI_HOOK_PATH": "cdi.hook_path",
 }
 
 
@@ -173,9 +175,9 @@ def check_semantics(config: Config) -> None:
 
     parse_host_port(config.debug_addr, "debug_addr")
     positive(config.inventory_refresh_s, "inventory_refresh_s")
-    for name in ("kubelet_root", "cdi_root", "state_dir", "driver_root"):
+    for name in ("kubelet_root", "cdi_root", "state_dir", "driver_root", "host_driver_root"):
         path = getattr(config.paths, name)
-        if not path.is_absolute():
+        if path is not None and not path.is_absolute():
             raise ConfigError(f"paths.{name}: must be an absolute path, got {str(path)!r}")
     health = config.health
     positive(health.check_interval_s, "health.check_interval_s")
@@ -195,6 +197,8 @@ def check_semantics(config: Config) -> None:
     check_cdi_kind(config.cdi.device_plugin_kind, "cdi.device_plugin_kind")
     check_cdi_kind(config.cdi.claim_kind, "cdi.claim_kind")
     positive(config.cdi.reconcile_interval_s, "cdi.reconcile_interval_s")
+    if config.cdi.hook_path is not None and not config.cdi.hook_path.is_absolute():
+        raise ConfigError(f"cdi.hook_path: must be an absolute path, got {str(config.cdi.hook_path)!r}")
     for i, rule in enumerate(config.ownership.nodes):
         if not rule.match.names and not rule.match.labels:
             raise ConfigError(f"ownership.nodes[{i}].match: name node names or labels to match")

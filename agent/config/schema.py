@@ -35,6 +35,9 @@ class PathsConfig:
     state_dir: Path = Path("/var/lib/gpu-node-agent")
     # where the NVIDIA driver's files live: "/" or e.g. /run/nvidia/driver (driver container)
     driver_root: Path = Path("/")
+    # where the host's container runtime sees driver_root (CDI specs name host paths), e.g.
+    # /run/nvidia/driver when the pod mounts it at /driver-root; unset: the same as driver_root
+    host_driver_root: Path | None = None
 
 
 _COUNT_RE = re.compile(r"^count\s+(\d+)\s+within\s+(\d+(?:\.\d+)?)\s*(s|m|h)?$")
@@ -155,6 +158,9 @@ class CdiConfig:
     device_plugin_kind: str = "k8s.gpu-node-agent.nvidia.com/gpu"
     claim_kind: str = "k8s.gpu-node-agent.nvidia.com/claim"
     reconcile_interval_s: float = 10.0
+    # the NVIDIA CDI hook (nvidia-cdi-hook or nvidia-ctk) as the host sees it, written into
+    # specs as given; unset: the first executable of the usual install paths
+    hook_path: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
