@@ -38,6 +38,7 @@ from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
 from agent.inventory.model import Inventory
 from agent.kube.labels import label_source
+from agent.logs import set_level
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
 from agent.plugin.manager import PluginManager
 
@@ -158,6 +159,7 @@ class Agent:
         """Apply accepted config changes: health policy and ownership (the plugin follows itself)."""
         with self.config_state.changes.subscribe() as changes:
             async for loaded in changes:
+                set_level(loaded.config.log_level)
                 self.health.update_config(loaded.config.health)
                 self._recompute_ownership(f"config {loaded.version}")
 
@@ -264,6 +266,7 @@ async def run_agent(
     ready = ready or asyncio.Event()
     loaded = load_config(options.config_path, options.overrides)
     config = loaded.config
+    set_level(config.log_level)  # the file's level; a --log-level flag is already in ``config``
     node_name = resolve_node_name(config)
     log.info("starting", version=__version__, node=node_name, config=loaded.source, config_version=loaded.version)
 
@@ -281,7 +284,7 @@ async def run_agent(
         cdi = await _start_cdi(config, inventory, registry)
         ownership = OwnershipState()
         plugin = None
-        if config.plugin.enabled and inventory.gpus:
+        if inventory.gpus:  # plugin.enabled is honoured by the manager's plan, live
             plugin = PluginManager(
                 config_state=config_state,
                 inventory=inventory,

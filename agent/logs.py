@@ -50,3 +50,8 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
     root.setLevel(_LEVELS.get(level, logging.INFO))
     # aiohttp's access log is noise for a local debug endpoint
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def set_level(level: str) -> None:
+    """Change the level of every logger at run time (config ``log_level``, applied live)."""
+    logging.getLogger().setLevel(_LEVELS.get(level, logging.INFO))

@@ -329,6 +329,16 @@ async def test_config_change_rebuilds_servers(h: PluginHarness) -> None:
     assert h.manager.servers["example.com/gpu"].runs == 1
 
 
+async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
+    h.set_plugin_config(PluginConfig(enabled=False), "off")
+    await wait_for(lambda: not h.manager.servers and not h.socket().exists(), what="every server stopped")
+    assert h.manager.ready  # nothing to serve is a ready state
+    h.set_plugin_config(PluginConfig(), "on")
+    await wait_for(lambda: len(h.kubelet.calls_for(GPU)) == 2, what="registered again")
+    await h.wait_ready()
+    assert h.socket().is_socket()
+
+
 async def test_exit_removes_sockets() -> None:
     async with plugin_harness() as h:
         await h.wait_ready()

@@ -190,4 +190,5 @@ RESTART_ONLY_FIELDS = (
     "debug_addr",
     "kubeconfig",
     "paths",
+    "cdi",
 )

@@ -1,6 +1,6 @@
 """The device plugin as one component: a server per resource, kept registered and current.
 
-:class:`PluginManager` is built by ``agent/app.py`` (only when ``plugin.enabled``) and run in
+:class:`PluginManager` is built by ``agent/app.py`` (on every node with GPUs) and run in
 the agent's TaskGroup. ``run`` serves until cancelled:
 
 * one :class:`PluginServer` per resource name that the plugin config and the inventory call

@@ -96,7 +96,13 @@ class DeviceState:
 
 
 def plan_resources(inventory: Inventory, config: PluginConfig) -> ResourcePlan:
-    """Resource names and candidate devices for ``inventory`` under ``config``."""
+    """Resource names and candidate devices for ``inventory`` under ``config``.
+
+    ``plugin.enabled: false`` plans nothing, so switching the plugin off (or on) in a live
+    config update stops (or starts) every server through the ordinary re-plan.
+    """
+    if not config.enabled:
+        return ResourcePlan()
     gpus = sorted(inventory.gpus, key=lambda g: g.index)
     by_name: dict[str, list[PluginDevice]] = {}
     problems: list[str] = []
