@@ -274,8 +274,9 @@ async def run_agent(
         backend = await open_backend(config, node_name=node_name)
         stack.push_async_callback(backend.close)
         inventory = await backend.load()
-        log.info("inventory loaded", backend=inventory.backend, gpus=len(inventory.gpus),
-                 driver=inventory.driver_version)
+        log.info(
+            "inventory loaded", backend=inventory.backend, gpus=len(inventory.gpus), driver=inventory.driver_version
+        )
 
         config_state = ConfigState(loaded)
         health = HealthMonitor(config=config.health)
@@ -344,9 +345,7 @@ async def run_agent(
     log.info("stopped")
 
 
-async def _start_cdi(
-    config: Config, inventory: Inventory, registry: CollectorRegistry
-) -> CdiService | NullCdiService:
+async def _start_cdi(config: Config, inventory: Inventory, registry: CollectorRegistry) -> CdiService | NullCdiService:
     """The CDI service with its device-plugin spec written, or the null service.
 
     A spec that cannot be written at start is not fatal: the reconciler keeps retrying and

@@ -51,9 +51,7 @@ def node_rule_for(
     """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
     for i, rule in enumerate(config.nodes):
         by_name = bool(rule.match.names) and node_name in rule.match.names
-        by_labels = bool(rule.match.labels) and all(
-            node_labels.get(k) == v for k, v in rule.match.labels.items()
-        )
+        by_labels = bool(rule.match.labels) and all(node_labels.get(k) == v for k, v in rule.match.labels.items())
         if by_name or by_labels:
             return i, rule
     return None
@@ -88,9 +86,7 @@ def compute_ownership(
     for key, owner in overrides.items():
         gpu = inventory.find(key)
         if gpu is None:
-            raise ConfigError(
-                f"{rule_label}.gpus[{key!r}]: no GPU with that UUID or index on node {node_name!r}"
-            )
+            raise ConfigError(f"{rule_label}.gpus[{key!r}]: no GPU with that UUID or index on node {node_name!r}")
         owners[gpu.uuid] = owner
 
     parents: dict[str, str] = {}

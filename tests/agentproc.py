@@ -45,12 +45,20 @@ class AgentProcess:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
         full_env.update(env or {})
         self.args = [
-            sys.executable, "-m", "agent", "run",
-            "--kubelet-root", str(self.kubelet_root),
-            "--cdi-root", str(self.cdi_root),
-            "--state-dir", str(self.state_dir),
-            "--debug-addr", "127.0.0.1:0",
-            "--node-name", "test-node",
+            sys.executable,
+            "-m",
+            "agent",
+            "run",
+            "--kubelet-root",
+            str(self.kubelet_root),
+            "--cdi-root",
+            str(self.cdi_root),
+            "--state-dir",
+            str(self.state_dir),
+            "--debug-addr",
+            "127.0.0.1:0",
+            "--node-name",
+            "test-node",
             *args,
         ]
         self.proc = subprocess.Popen(
@@ -102,8 +110,10 @@ class AgentProcess:
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
         req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"}, method="POST",
+            f"http://127.0.0.1:{self.port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
         )
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:

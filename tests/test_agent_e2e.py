@@ -98,23 +98,31 @@ async def test_agent_serves_the_kubelet_end_to_end(running: tuple[AgentProcess, 
 
         # a health flip through the debug endpoint reaches the open stream
         started = time.monotonic()
-        status, _ = await asyncio.to_thread(agent.post, "/debug/simulated/health",
-                                            {"device": "2", "healthy": False, "xid": 79})
+        status, _ = await asyncio.to_thread(
+            agent.post, "/debug/simulated/health", {"device": "2", "healthy": False, "xid": 79}
+        )
         assert status == 200
         await stream.next_matching(lambda m: health_of(m).get(uuids[2]) == "Unhealthy")
         assert time.monotonic() - started < 2.0
 
-        response = await stub.Allocate(pb.AllocateRequest(
-            container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[0], uuids[1]])]))
+        response = await stub.Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[0], uuids[1]])])
+        )
         assert response.container_responses[0].envs["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[0]},{uuids[1]}"
         for refused in ([uuids[7]], [uuids[2]], []):
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.Allocate(pb.AllocateRequest(
-                    container_requests=[pb.ContainerAllocateRequest(devices_ids=refused)]))
+                await stub.Allocate(
+                    pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=refused)])
+                )
             assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 
-        preferred = await stub.GetPreferredAllocation(pb.PreferredAllocationRequest(container_requests=[
-            pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids[:7], allocation_size=4)]))
+        preferred = await stub.GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(available_deviceIDs=uuids[:7], allocation_size=4)
+                ]
+            )
+        )
         assert len(preferred.container_responses[0].deviceIDs) == 4
 
         # a live config change hands every GPU to DRA: the stream empties
@@ -160,8 +168,9 @@ async def test_cdi_names_from_allocate_exist_on_disk_and_come_back() -> None:
             socket = kubelet.plugin_dir / "nvidia-gpu.sock"
             async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
                 stub = pb_grpc.DevicePluginStub(channel)
-                response = await stub.Allocate(pb.AllocateRequest(
-                    container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuid])]))
+                response = await stub.Allocate(
+                    pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuid])])
+                )
             container = response.container_responses[0]
             (name,) = [d.name for d in container.cdi_devices]
             assert list(container.annotations.values()) == [name]
@@ -209,8 +218,9 @@ async def test_simulated_node_without_driver_answers_every_strategy() -> None:
             socket = kubelet.plugin_dir / "nvidia-gpu.sock"
             async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
                 stub = pb_grpc.DevicePluginStub(channel)
-                response = await stub.Allocate(pb.AllocateRequest(
-                    container_requests=[pb.ContainerAllocateRequest(devices_ids=uuids)]))
+                response = await stub.Allocate(
+                    pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=uuids)])
+                )
             container = response.container_responses[0]
             assert "NVIDIA_VISIBLE_DEVICES" in container.envs  # envvar, then volume-mounts
             assert len(container.mounts) == 2  # volume-mounts
@@ -255,8 +265,9 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
     config = tmp_path / "config.yaml"
     config.write_text(LABEL_CONFIG)
     kubeconfig = _kubeconfig(tmp_path, api.url, {"token": "t0ken"})
-    agent = AgentProcess(tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig),
-                                    "--node-name", NODE])
+    agent = AgentProcess(
+        tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
+    )
     try:
         await asyncio.to_thread(agent.wait_ready)
         state = agent.state()

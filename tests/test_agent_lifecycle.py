@@ -38,16 +38,26 @@ def owners(state: dict[str, object]) -> dict[int, str]:
 
 def test_simulated_agent_lifecycle(tmp_path: Path, start: object) -> None:
     config = tmp_path / "config.yaml"
-    config.write_text(BASE + "ownership:\n  default: device-plugin\n  nodes:\n"
-                      "    - match: {names: [test-node]}\n      gpus: {'0': dra, '7': none}\n")
+    config.write_text(
+        BASE + "ownership:\n  default: device-plugin\n  nodes:\n"
+        "    - match: {names: [test-node]}\n      gpus: {'0': dra, '7': none}\n"
+    )
     agent: AgentProcess = start("--simulated", "--config", str(config))  # type: ignore[operator]
     agent.wait_ready()
 
     state = agent.state()
     assert state["status"] == "serving"
     assert len(state["devices"]) == 8
-    assert owners(state) == {0: "dra", 1: "device-plugin", 2: "device-plugin", 3: "device-plugin",
-                             4: "device-plugin", 5: "device-plugin", 6: "device-plugin", 7: "none"}
+    assert owners(state) == {
+        0: "dra",
+        1: "device-plugin",
+        2: "device-plugin",
+        3: "device-plugin",
+        4: "device-plugin",
+        5: "device-plugin",
+        6: "device-plugin",
+        7: "none",
+    }
     assert all(d["health"] == "healthy" for d in state["devices"])
     first_version = state["config"]["version"]
     assert state["config"]["source"] == str(config)
@@ -152,8 +162,18 @@ def test_startup_errors_are_one_line(
         path = tmp_path / "config.yaml"
         path.write_text(config_text)
         extra = ["--config", str(path)]
-    result = run_cli("run", *args, *extra, "--debug-addr", "127.0.0.1:0", "--kubelet-root", str(tmp_path),
-                     "--cdi-root", str(tmp_path / "cdi"), env={"LD_LIBRARY_PATH": str(tmp_path)})
+    result = run_cli(
+        "run",
+        *args,
+        *extra,
+        "--debug-addr",
+        "127.0.0.1:0",
+        "--kubelet-root",
+        str(tmp_path),
+        "--cdi-root",
+        str(tmp_path / "cdi"),
+        env={"LD_LIBRARY_PATH": str(tmp_path)},
+    )
     assert result.returncode == code, result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("gpu-agent: error:")]
     assert len(errors) == 1, result.stderr
@@ -172,8 +192,18 @@ def test_debug_port_in_use(tmp_path: Path, start: object) -> None:
     config.write_text(BASE)
     first: AgentProcess = start("--simulated", "--config", str(config))  # type: ignore[operator]
     first.wait_ready()
-    result = run_cli("run", "--simulated", "--config", str(config), "--debug-addr", f"127.0.0.1:{first.port}",
-                     "--kubelet-root", str(tmp_path / "k2"), "--cdi-root", str(tmp_path / "c2"))
+    result = run_cli(
+        "run",
+        "--simulated",
+        "--config",
+        str(config),
+        "--debug-addr",
+        f"127.0.0.1:{first.port}",
+        "--kubelet-root",
+        str(tmp_path / "k2"),
+        "--cdi-root",
+        str(tmp_path / "c2"),
+    )
     assert result.returncode == 1
     assert f"debug endpoint cannot listen on 127.0.0.1:{first.port}: address already in use" in result.stderr
     assert "Traceback" not in result.stderr
@@ -209,8 +239,11 @@ def test_inventory_change_is_picked_up(tmp_path: Path, start: object) -> None:
     _, metrics = agent.get("/metrics")
     assert 'gpu_agent_devices{health="healthy",owner="device-plugin"} 1.0' in metrics
     # the health watch restarted on the new inventory: the remaining GPU still takes injections
-    wait_for(lambda: agent.post("/debug/simulated/health", {"device": "1", "healthy": True})[0] == 404, 5,
-             "the health watch to follow the new inventory")
+    wait_for(
+        lambda: agent.post("/debug/simulated/health", {"device": "1", "healthy": True})[0] == 404,
+        5,
+        "the health watch to follow the new inventory",
+    )
     assert agent.post("/debug/simulated/health", {"device": "0", "healthy": False})[0] == 200
     assert agent.state()["devices"][0]["health"] == "unhealthy"
 

@@ -250,9 +250,7 @@ async def service(tmp_path: Path, empty_root: Path, registry: CollectorRegistry)
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-async def test_one_pass_repairs(
-    service: CdiService, tmp_path: Path, registry: CollectorRegistry, damage: str
-) -> None:
+async def test_one_pass_repairs(service: CdiService, tmp_path: Path, registry: CollectorRegistry, damage: str) -> None:
     repaired = DAMAGE[damage](tmp_path)
     report = await service.reconcile_once()
     assert repaired(), report

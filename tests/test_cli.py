@@ -80,8 +80,11 @@ def test_config_check_prints_effective_ownership(tmp_path: Path) -> None:
     ("text", "args", "message"),
     [
         ("ownership: {default: gpu}\n", [], "ownership.default: expected one of"),
-        ("ownership:\n  nodes: [{match: {names: [n1]}, gpus: {GPU-nope: dra}}]\n", ["--node-name", "n1", "--simulated"],
-         "gpus['GPU-nope']: no GPU with that UUID or index"),
+        (
+            "ownership:\n  nodes: [{match: {names: [n1]}, gpus: {GPU-nope: dra}}]\n",
+            ["--node-name", "n1", "--simulated"],
+            "gpus['GPU-nope']: no GPU with that UUID or index",
+        ),
         ("{}\n", ["--label", "novalue"], "--label: expected KEY=VALUE"),
     ],
 )

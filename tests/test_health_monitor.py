@@ -25,13 +25,40 @@ def _health(**doc: object) -> HealthConfig:
 
 
 def _inventory() -> Inventory:
-    mig = MigDevice(uuid="MIG-a", parent_uuid="GPU-1", index=0, gpu_instance_id=1, compute_instance_id=0,
-                    profile="3g.40gb", memory_mib=40000)
+    mig = MigDevice(
+        uuid="MIG-a",
+        parent_uuid="GPU-1",
+        index=0,
+        gpu_instance_id=1,
+        compute_instance_id=0,
+        profile="3g.40gb",
+        memory_mib=40000,
+    )
     gpus = (
-        Gpu(uuid="GPU-0", index=0, minor=0, product_name="H100", architecture="hopper", compute_capability="9.0",
-            memory_mib=81559, pci_bus_id="00000000:18:00.0", numa_node=0),
-        Gpu(uuid="GPU-1", index=1, minor=1, product_name="H100", architecture="hopper", compute_capability="9.0",
-            memory_mib=81559, pci_bus_id="00000000:2a:00.0", numa_node=0, mig_enabled=True, mig_devices=(mig,)),
+        Gpu(
+            uuid="GPU-0",
+            index=0,
+            minor=0,
+            product_name="H100",
+            architecture="hopper",
+            compute_capability="9.0",
+            memory_mib=81559,
+            pci_bus_id="00000000:18:00.0",
+            numa_node=0,
+        ),
+        Gpu(
+            uuid="GPU-1",
+            index=1,
+            minor=1,
+            product_name="H100",
+            architecture="hopper",
+            compute_capability="9.0",
+            memory_mib=81559,
+            pci_bus_id="00000000:2a:00.0",
+            numa_node=0,
+            mig_enabled=True,
+            mig_devices=(mig,),
+        ),
     )
     return Inventory(backend="test", driver_version="570", cuda_driver_version="12.8", gpus=gpus)
 

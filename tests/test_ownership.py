@@ -15,14 +15,31 @@ def _inventory() -> Inventory:
         migs: tuple[MigDevice, ...] = ()
         if i == 3:
             migs = tuple(
-                MigDevice(uuid=f"MIG-{j}", parent_uuid="GPU-3", index=j, gpu_instance_id=j + 1, compute_instance_id=0,
-                          profile="1g.10gb", memory_mib=9856)
+                MigDevice(
+                    uuid=f"MIG-{j}",
+                    parent_uuid="GPU-3",
+                    index=j,
+                    gpu_instance_id=j + 1,
+                    compute_instance_id=0,
+                    profile="1g.10gb",
+                    memory_mib=9856,
+                )
                 for j in range(2)
             )
         gpus.append(
-            Gpu(uuid=f"GPU-{i}", index=i, minor=i, product_name="H100", architecture="hopper",
-                compute_capability="9.0", memory_mib=81559, pci_bus_id=f"00000000:{i:02x}:00.0", numa_node=0,
-                mig_enabled=bool(migs), mig_devices=migs)
+            Gpu(
+                uuid=f"GPU-{i}",
+                index=i,
+                minor=i,
+                product_name="H100",
+                architecture="hopper",
+                compute_capability="9.0",
+                memory_mib=81559,
+                pci_bus_id=f"00000000:{i:02x}:00.0",
+                numa_node=0,
+                mig_enabled=bool(migs),
+                mig_devices=migs,
+            )
         )
     return Inventory(backend="test", driver_version="570", cuda_driver_version="12.8", gpus=tuple(gpus))
 

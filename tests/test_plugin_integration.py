@@ -32,7 +32,6 @@ async def h() -> AsyncIterator[PluginHarness]:
         yield harness
 
 
-
 # --- registration ------------------------------------------------------------------------
 
 

@@ -80,7 +80,6 @@ async def h() -> AsyncIterator[PluginHarness]:
         yield harness
 
 
-
 def allocate(*ids: str) -> pb.AllocateRequest:
     return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=list(ids))])
 

@@ -31,26 +31,69 @@ scalars = st.one_of(
     st.integers(min_value=-(2**40), max_value=2**40),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
-    st.sampled_from(["auto", "nvml", "simulated", "dra", "device-plugin", "none", "fatal", "ignore",
-                     "count 3 within 60s", "127.0.0.1:9400", "/abs/path", "nvidia.com/gpu", "envvar"]),
+    st.sampled_from(
+        [
+            "auto",
+            "nvml",
+            "simulated",
+            "dra",
+            "device-plugin",
+            "none",
+            "fatal",
+            "ignore",
+            "count 3 within 60s",
+            "127.0.0.1:9400",
+            "/abs/path",
+            "nvidia.com/gpu",
+            "envvar",
+        ]
+    ),
 )
 values = st.recursive(
     scalars,
     lambda children: st.one_of(
-        st.lists(children, max_size=4), st.dictionaries(st.one_of(st.text(max_size=10), st.integers()), children,
-                                                        max_size=4)
+        st.lists(children, max_size=4),
+        st.dictionaries(st.one_of(st.text(max_size=10), st.integers()), children, max_size=4),
     ),
     max_leaves=12,
 )
 KEYS = {
-    "": ["backend", "preset", "node_name", "node_labels", "debug_addr", "log_level", "inventory_refresh_s",
-         "paths", "health", "ownership", "plugin", "cdi"],
+    "": [
+        "backend",
+        "preset",
+        "node_name",
+        "node_labels",
+        "debug_addr",
+        "log_level",
+        "inventory_refresh_s",
+        "paths",
+        "health",
+        "ownership",
+        "plugin",
+        "cdi",
+    ],
     "paths": ["kubelet_root", "cdi_root", "state_dir", "driver_root"],
-    "health": ["enabled", "check_interval_s", "recovery_quiet_s", "event_wait_ms", "xid_default", "xids",
-               "reset_required_xids", "ecc_double_bit", "history_size"],
+    "health": [
+        "enabled",
+        "check_interval_s",
+        "recovery_quiet_s",
+        "event_wait_ms",
+        "xid_default",
+        "xids",
+        "reset_required_xids",
+        "ecc_double_bit",
+        "history_size",
+    ],
     "ownership": ["default", "nodes"],
-    "plugin": ["enabled", "resource_name", "mig_strategy", "device_list_strategy", "device_id_strategy",
-               "replica_policy", "time_slicing"],
+    "plugin": [
+        "enabled",
+        "resource_name",
+        "mig_strategy",
+        "device_list_strategy",
+        "device_id_strategy",
+        "replica_policy",
+        "time_slicing",
+    ],
     "cdi": ["enabled", "device_plugin_kind", "claim_kind", "reconcile_interval_s"],
 }
 
@@ -91,7 +134,6 @@ def test_arbitrary_top_level_keys_are_named(doc: dict[str, Any]) -> None:
 # --- what a kubelet (or anything on its socket) sends the device plugin --------------------
 
 
-
 def _service() -> ResourceService:
     inventory = asyncio.run(SimulatedBackend(preset="h100-8x-nvlink", node_name="n", health=HealthConfig()).load())
     config = PluginConfig(
@@ -103,9 +145,12 @@ def _service() -> ResourceService:
     health.observe(Signal(uuid=inventory.gpus[5].uuid, kind=SignalKind.LOST))  # one unhealthy GPU
     (resource,) = plan_resources(inventory, config).resources
     return ResourceService(
-        resource=resource, config=config, inventory=inventory,
+        resource=resource,
+        config=config,
+        inventory=inventory,
         ownership=OwnershipState(ownership_for(inventory, {"7": Owner.DRA})),  # one GPU not ours
-        health=health, cdi=FakeCdi(),
+        health=health,
+        cdi=FakeCdi(),
     )
 
 

@@ -98,9 +98,7 @@ def desired_state(
 
 
 class Reconciler:
-    def __init__(
-        self, *, writer: SpecWriter, source: DriverSource, device_plugin_kind: str, claim_kind: str
-    ) -> None:
+    def __init__(self, *, writer: SpecWriter, source: DriverSource, device_plugin_kind: str, claim_kind: str) -> None:
         self.writer = writer
         self.source = source
         self.device_plugin_kind = device_plugin_kind

@@ -268,9 +268,7 @@ def convert(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{label}: expected a mapping, got {value!r}")
         key_tp, val_tp = args
-        return {
-            convert(key_tp, k, f"{label}[{k!r}]"): convert(val_tp, v, f"{label}[{k!r}]") for k, v in value.items()
-        }
+        return {convert(key_tp, k, f"{label}[{k!r}]"): convert(val_tp, v, f"{label}[{k!r}]") for k, v in value.items()}
     if isinstance(tp, type) and hasattr(tp, "from_config"):
         return tp.from_config(value, label)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):

@@ -142,9 +142,7 @@ class PluginConfig:
     enabled: bool = True
     resource_name: str = "nvidia.com/gpu"
     mig_strategy: Literal["none", "single", "mixed"] = "none"
-    device_list_strategy: tuple[Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"], ...] = (
-        "envvar",
-    )
+    device_list_strategy: tuple[Literal["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"], ...] = ("envvar",)
     device_id_strategy: Literal["uuid", "index"] = "uuid"
     replica_policy: Literal["pack", "spread"] = "spread"
     time_slicing: TimeSlicingConfig = TimeSlicingConfig()

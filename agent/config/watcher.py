@@ -84,8 +84,12 @@ class ConfigWatcher:
             self._validate(candidate)
         except ConfigError as exc:
             self._state.reject(str(exc))
-            log.error("config update rejected, keeping the last good config", error=str(exc),
-                      version=self._state.loaded.version, path=str(self._path))
+            log.error(
+                "config update rejected, keeping the last good config",
+                error=str(exc),
+                version=self._state.loaded.version,
+                path=str(self._path),
+            )
             return False
         installed = self._state.accept(candidate)
         if installed:
@@ -97,6 +101,8 @@ class ConfigWatcher:
         config = build_config(document, self._overrides)
         config, restart_only = keep_restart_only(self._state.config, config)
         if restart_only:
-            log.warning("config fields changed that take effect only on restart; keeping the running values",
-                        fields=restart_only)
+            log.warning(
+                "config fields changed that take effect only on restart; keeping the running values",
+                fields=restart_only,
+            )
         return LoadedConfig(config=config, version=config_digest(config), source=str(self._path))

@@ -80,11 +80,10 @@ class AgentCollector(Collector):
             transitions.add_metric([state.value], n)
         yield transitions
 
+        yield CounterMetricFamily("gpu_agent_config_reloads", "Config updates applied live", value=self._config.reloads)
         yield CounterMetricFamily(
-            "gpu_agent_config_reloads", "Config updates applied live", value=self._config.reloads
-        )
-        yield CounterMetricFamily(
-            "gpu_agent_config_rejections", "Config updates rejected (last good config kept)",
+            "gpu_agent_config_rejections",
+            "Config updates rejected (last good config kept)",
             value=self._config.rejections,
         )
         yield GaugeMetricFamily(

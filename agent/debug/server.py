@@ -83,7 +83,7 @@ async def simulated_health(request: web.Request) -> web.Response:
     try:
         body = await request.json()
     except ValueError:
-        return _bad_request("body must be JSON like {\"device\": \"0\", \"healthy\": false, \"xid\": 79}")
+        return _bad_request('body must be JSON like {"device": "0", "healthy": false, "xid": 79}')
     if not isinstance(body, dict):
         return _bad_request("body must be a JSON object")
     device, healthy, xid = body.get("device"), body.get("healthy"), body.get("xid")

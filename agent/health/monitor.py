@@ -52,9 +52,7 @@ class DeviceHealth:
             "state": self.state.value,
             "cause": self.cause,
             "reset_required": self.reset_required,
-            "history": [
-                {"at": h.at, "state": h.state.value, "cause": h.cause, "xid": h.xid} for h in self.history
-            ],
+            "history": [{"at": h.at, "state": h.state.value, "cause": h.cause, "xid": h.xid} for h in self.history],
         }
 
 

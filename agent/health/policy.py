@@ -44,9 +44,7 @@ def classify(signal: Signal, config: HealthConfig, xid_times: dict[int, deque[fl
     return None
 
 
-def _classify_xid(
-    signal: Signal, config: HealthConfig, xid_times: dict[int, deque[float]], now: float
-) -> Fault | None:
+def _classify_xid(signal: Signal, config: HealthConfig, xid_times: dict[int, deque[float]], now: float) -> Fault | None:
     xid = signal.xid if signal.xid is not None else -1
     rule = config.xids.get(xid, config.xid_default)
     reset = xid in config.reset_required_xids

@@ -20,9 +20,7 @@ async def open_backend(config: Config, *, node_name: str | None = None) -> Backe
     if config.backend == "simulated":
         from agent.inventory.simulated import SimulatedBackend
 
-        backend = SimulatedBackend(
-            preset=config.preset, node_name=node_name or config.node_name, health=config.health
-        )
+        backend = SimulatedBackend(preset=config.preset, node_name=node_name or config.node_name, health=config.health)
     elif config.backend == "nvml":
         from agent.inventory.nvml import NvmlBackend
 

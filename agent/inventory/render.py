@@ -81,8 +81,19 @@ def inventory_table(inventory: Inventory) -> str:
             ]
         )
         for m in g.mig_devices:
-            rows.append(["", f"  {m.uuid}", f"  MIG {m.profile}", "", "", f"{m.memory_mib} MiB", "",
-                         "", f"gi {m.gpu_instance_id} ci {m.compute_instance_id}"])
+            rows.append(
+                [
+                    "",
+                    f"  {m.uuid}",
+                    f"  MIG {m.profile}",
+                    "",
+                    "",
+                    f"{m.memory_mib} MiB",
+                    "",
+                    "",
+                    f"gi {m.gpu_instance_id} ci {m.compute_instance_id}",
+                ]
+            )
     lines.append(_table(rows))
     gpus = inventory.gpus
     if len(gpus) > 1:

@@ -52,8 +52,6 @@ Clock = Callable[[], float]
 OnChange = Callable[[dict[str, str]], None]
 
 
-
-
 class StaticLabelSource:
     """The null source: labels from the config; there is nothing to watch."""
 

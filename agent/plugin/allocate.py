@@ -64,7 +64,6 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()
 
 
-
 def resolve_ids(
     resource: Resource,
     ids: Sequence[str],

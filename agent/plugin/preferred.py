@@ -165,7 +165,6 @@ def _invalid(message: str, ids: Sequence[str]) -> NoReturn:
     raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"preferred allocation: {message}", tuple(ids))
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Problem:
     """One request grouped by physical GPU; GPUs are referred to by position in ``ids``."""

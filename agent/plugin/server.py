@@ -45,8 +45,6 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class Timeouts:
     self_check_s: float = 5.0
