@@ -338,3 +338,59 @@ async def test_null_service() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_skipped_gpu_takes_its_mig_devices_and_all_with_it(tmp_path: Path, registry: CollectorRegistry) -> None:
+    """No name is handed out for a device the spec on disk does not define."""
+    driver = FakeDriver(tmp_path / "driver", gpu_minors=(1,), cap_minors=(21, 22)).build()  # /dev/nvidia0 missing
+    inv = inventory(2, migs={0: (mig(0, 0, 21, 22),)})
+    service = CdiService(
+        config=CdiConfig(),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=inv,
+        registry=registry,
+        hook_candidates=[],
+    )
+    await service.ensure_device_plugin_spec()
+    spec = load(tmp_path / "cdi" / DP_FILE)
+    defined = {d.name for d in spec.devices}
+    mig_uuid = inv.gpus[0].mig_devices[0].uuid
+    for ask in (lambda: service.device_name(mig_uuid), lambda: service.index_device_name("0:0")):
+        with pytest.raises(UnknownCdiDeviceError, match="left out of the CDI spec"):
+            ask()
+    assert service.device_name(inv.gpus[1].uuid).partition("=")[2] in defined
+    assert service.index_device_name("all").partition("=")[2] in defined
+
+
+async def test_all_names_nothing_when_every_gpu_is_skipped(tmp_path: Path, registry: CollectorRegistry) -> None:
+    driver = FakeDriver(tmp_path / "driver", gpu_minors=()).build()
+    service = CdiService(
+        config=CdiConfig(),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=inventory(1),
+        registry=registry,
+        hook_candidates=[],
+    )
+    with pytest.raises(DriverDiscoveryError):
+        await service.ensure_device_plugin_spec()
+    with pytest.raises(UnknownCdiDeviceError, match="'all' names nothing"):
+        service.index_device_name("all")
+
+
+async def test_foreign_files_sharing_our_name_prefix_are_left_alone(service: CdiService, tmp_path: Path) -> None:
+    """Kinds like <our vendor>/gpu_legacy or /claim_x map onto our file-name prefixes."""
+    cdi = tmp_path / "cdi"
+    await service.reconcile_once()
+    foreign = {
+        "k8s.gpu-node-agent.nvidia.com-gpu_legacy.json": "k8s.gpu-node-agent.nvidia.com/gpu_legacy",
+        "k8s.gpu-node-agent.nvidia.com-claim_x.json": "k8s.gpu-node-agent.nvidia.com/claim_x",
+    }
+    for name, kind in foreign.items():
+        body = {"cdiVersion": "0.5.0", "kind": kind, "devices": [{"name": "d", "containerEdits": {"env": ["A=1"]}}]}
+        (cdi / name).write_text(json.dumps(body))
+    report = await service.reconcile_once()
+    assert not [r for r in report.repairs if r.file in foreign]
+    for name, kind in foreign.items():
+        assert json.loads((cdi / name).read_text())["kind"] == kind

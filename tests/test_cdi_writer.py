@@ -30,7 +30,7 @@ def make_spec(*names: str, kind: str = GPU_KIND, path: str = "/dev/nvidia0") -> 
 
 @pytest.fixture
 def writer(tmp_path: Path) -> w.SpecWriter:
-    return w.SpecWriter(tmp_path / "cdi", (GPU_KIND, CLAIM_KIND))
+    return w.SpecWriter(tmp_path / "cdi", (GPU_KIND, CLAIM_KIND), transient_kinds=(CLAIM_KIND,))
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -167,7 +167,7 @@ from tests.test_cdi_writer import CLAIM_KIND, GPU_KIND, OURS, make_spec
 
 d = Path(sys.argv[1])
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], check=True)
-writer = w.SpecWriter(d, (GPU_KIND, CLAIM_KIND))
+writer = w.SpecWriter(d, (GPU_KIND, CLAIM_KIND), transient_kinds=(CLAIM_KIND,))
 writer.write(OURS, make_spec("gpu0"))
 before = (d / OURS).read_bytes()
 with open(d / "filler", "wb", buffering=0) as f:  # fill the file system

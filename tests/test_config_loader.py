@@ -68,6 +68,7 @@ def test_full_ownership_shape() -> None:
         ({"debug_addr": "9400"}, "debug_addr: expected HOST:PORT, got '9400'"),
         ({"backend": "cuda"}, "backend: expected one of 'auto' | 'nvml' | 'simulated', got 'cuda'"),
         ({"cdi": {"device_plugin_kind": "nokind"}}, "cdi.device_plugin_kind: 'nokind' is not a valid CDI kind"),
+        ({"cdi": {"claim_kind": "example.com/claim.v1"}}, "cdi.claim_kind: 'example.com/claim.v1': the class part"),
         ({"health": {"enabled": "perhaps"}}, "health.enabled: expected true or false, got 'perhaps'"),
     ],
 )

@@ -208,3 +208,14 @@ def test_set_inventory_keeps_records_of_remaining_gpus() -> None:
     monitor.observe(xid(63))
     monitor.set_inventory(_inventory())
     assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+
+
+def test_disabling_health_live_returns_every_device_to_service() -> None:
+    monitor, _ = _monitor()
+    monitor.observe(xid(79))
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+    with monitor.changes.subscribe() as changes:
+        monitor.update_config(_health(enabled=False))
+        assert monitor.state("GPU-0") is HealthState.HEALTHY
+        (change,) = changes.drain()
+        assert change.cause == "health checks disabled"

@@ -95,6 +95,8 @@ def device_plugin_spec(kind: str, inventory: Inventory, driver: DriverView) -> G
         edits = driver.gpu_edits(gpu)
         if edits is None:
             skipped.append(_skip_reason("GPU", gpu.uuid))
+            # its MIG devices go with it: a name for them would resolve to nothing
+            skipped.extend(_skip_reason("MIG (parent GPU)", mig.uuid) for mig in gpu.mig_devices)
             continue
         add((gpu.uuid, str(gpu.index)), edits)
         for mig in sorted(gpu.mig_devices, key=lambda m: m.index):

@@ -91,7 +91,9 @@ class CdiService:
         self._inventory = inventory
         self._cdi_root = cdi_root
         self._driver_root = driver_root
-        self._writer = SpecWriter(cdi_root, (config.device_plugin_kind, config.claim_kind))
+        self._writer = SpecWriter(
+            cdi_root, (config.device_plugin_kind, config.claim_kind), transient_kinds=(config.claim_kind,)
+        )
         discovery = DriverDiscovery(
             driver_root,
             host_driver_root=host_driver_root,
@@ -140,7 +142,9 @@ class CdiService:
         """The same for ``"<gpu index>"`` or ``"<gpu index>:<mig index>"``, or ``"all"``."""
         gpu_index, _, mig_index = index.partition(":")
         gpu = self._inventory.find(gpu_index) if gpu_index.isdigit() else None
-        if index == generate.ALL_DEVICES and len(self._inventory):
+        if index == generate.ALL_DEVICES:
+            if not any(g.uuid not in self._skipped for g in self._inventory):
+                raise UnknownCdiDeviceError("no device of this node is in the CDI spec, so 'all' names nothing")
             return qualified_name(self._config.device_plugin_kind, index)
         if gpu is None or (mig_index and not any(str(m.index) == mig_index for m in gpu.mig_devices)):
             raise UnknownCdiDeviceError(f"no device with index {index!r} on this node")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
@@ -130,16 +131,30 @@ def spec_files(directory: Path) -> list[Path]:
 class SpecWriter:
     """The agent's hand in one CDI directory, limited to the files of its own kinds."""
 
-    def __init__(self, directory: Path, kinds: Iterable[str]) -> None:
+    def __init__(self, directory: Path, kinds: Iterable[str], *, transient_kinds: Iterable[str] = ()) -> None:
+        """``kinds`` own their regular file (``<vendor>-<class>.json``); ``transient_kinds``
+        also own ``<vendor>-<class>_<id>.json`` files, but only those whose content declares that
+        kind: another vendor's kind ``<class>_x`` maps to the same file-name prefix."""
         self.directory = directory
-        kinds = tuple(kinds)
         self._exact = {spec_file_name(k) for k in kinds}
-        self._prefixes = tuple(transient_prefix(k) for k in kinds)
+        self._transient = {transient_prefix(k): k for k in transient_kinds}
 
     def owns(self, name: str) -> bool:
+        """Whether the file name is one the agent writes (the content is not looked at)."""
         if name in self._exact:
             return True
-        return name.endswith(SPEC_SUFFIX) and name.startswith(self._prefixes) and "/" not in name
+        return name.endswith(SPEC_SUFFIX) and name.startswith(tuple(self._transient)) and "/" not in name
+
+    def _declares_our_kind(self, name: str) -> bool:
+        """A transient file counts as ours only if it parses and names the kind of its prefix."""
+        if name in self._exact:
+            return True
+        kind = next(k for prefix, k in self._transient.items() if name.startswith(prefix))
+        try:
+            doc = json.loads((self.directory / name).read_bytes())
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and doc.get("kind") == kind
 
     def _path(self, name: str) -> Path:
         if not self.owns(name):
@@ -147,8 +162,13 @@ class SpecWriter:
         return self.directory / name
 
     def owned_files(self) -> list[str]:
-        """Names of the files in the directory that belong to the agent."""
-        return [p.name for p in spec_files(self.directory) if self.owns(p.name)]
+        """Names of the files in the directory that belong to the agent (by name, and for
+        transient files by declared kind too: these are the files the reconciler may delete)."""
+        return [
+            p.name
+            for p in spec_files(self.directory)
+            if self.owns(p.name) and not p.is_symlink() and self._declares_our_kind(p.name)
+        ]
 
     def read(self, name: str) -> bytes | None:
         """The current content, None if absent; SpecWriteError for a symlink or non-file."""

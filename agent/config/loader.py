@@ -158,6 +158,10 @@ def check_cdi_kind(kind: str, where: str) -> None:
     vendor, sep, klass = kind.partition("/")
     if not sep or not _CDI_VENDOR_CLASS.match(vendor) or not _CDI_VENDOR_CLASS.match(klass):
         raise ConfigError(f"{where}: {kind!r} is not a valid CDI kind (want <vendor>/<class>)")
+    if "." in klass:
+        # a dotted class needs cdiVersion 0.6.0, which runtimes built on older CDI libraries
+        # (Debian's podman 4.3, for one) reject: every spec of that kind would be unusable there
+        raise ConfigError(f"{where}: {kind!r}: the class part must not contain '.' (it needs CDI 0.6.0)")
 
 
 def parse_host_port(addr: str, where: str) -> tuple[str, int]:

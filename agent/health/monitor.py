@@ -87,7 +87,15 @@ class HealthMonitor:
         self._parents = {m.uuid: g.uuid for g in inventory.gpus for m in g.mig_devices}
 
     def update_config(self, config: HealthConfig) -> None:
+        was_enabled = self._config.enabled
         self._config = config
+        if was_enabled and not config.enabled:
+            # "health checks off" means every device is served; none may stay stuck unhealthy
+            for record in self._records.values():
+                record.reset_required = False
+                record.xid_times.clear()
+                record.clean_since = None
+                self._transition(record, HealthState.HEALTHY, "health checks disabled", None)
         for record in self._records.values():
             if len(record.history) > config.history_size:
                 record.history = deque(list(record.history)[-config.history_size :])
