@@ -24,9 +24,11 @@ from agent.errors import BackendError, LibraryMissingError
 from agent.inventory.backend import SignalSink
 from agent.inventory.model import Inventory
 from agent.inventory.nvml_errors import describe, translate_init
-from agent.inventory.nvml_health import EventWatcher, run_checks
+from agent.inventory.nvml_health import EventWatcher, InFlight, run_checks
 from agent.inventory.nvml_inventory import InventoryReader
 
+#: how long close() waits for NVML calls still running in worker threads
+CLOSE_WAIT_S = 2.0
 log = structlog.get_logger("agent.nvml")
 
 _MODULE = "pynvml"
@@ -89,6 +91,8 @@ class NvmlBackend:
         self._initialised = False
         # GPUs already logged as supporting fewer event types, across watch_health runs
         self._reduced_logged: set[str] = set()
+        self._in_flight = InFlight()
+        self._watchers: set[EventWatcher] = set()
 
     async def open(self) -> None:
         """Load the binding and initialise NVML; LibraryMissingError or BackendInitError on failure."""
@@ -114,7 +118,7 @@ class NvmlBackend:
         reader = InventoryReader(
             self._module(), backend=self.name, sysfs_root=self._sysfs_root, procfs_root=self._procfs_root
         )
-        inventory = await asyncio.to_thread(reader.read)
+        inventory = await asyncio.to_thread(self._in_flight.call, reader.read)
         log.info(
             "NVML inventory loaded",
             gpus=len(inventory.gpus),
@@ -138,16 +142,21 @@ class NvmlBackend:
             reduced_logged=self._reduced_logged,
         )
         watcher.start()
+        self._watchers.add(watcher)
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._guard_events(watcher), name="nvml-events")
                 for gpu in inventory.gpus:
                     group.create_task(
-                        run_checks(nvml, gpu, interval_s=self._health.check_interval_s, emit=emit),
+                        run_checks(
+                            nvml, gpu, interval_s=self._health.check_interval_s, emit=emit, in_flight=self._in_flight
+                        ),
                         name=f"nvml-check-{gpu.index}",
                     )
         finally:
             await watcher.stop()
+            if not watcher.alive:
+                self._watchers.discard(watcher)
 
     @staticmethod
     async def _guard_events(watcher: EventWatcher) -> None:
@@ -161,6 +170,11 @@ class NvmlBackend:
             return
         self._initialised = False
         nvml = self._nvml
+        idle = await asyncio.to_thread(self._in_flight.wait_idle, CLOSE_WAIT_S)
+        if not idle or any(w.alive for w in self._watchers):
+            # pulling NVML from under a running call can crash the process; exit releases it
+            log.warning("NVML left initialised: a call or the event thread is still inside NVML")
+            return
         try:
             await asyncio.to_thread(nvml.nvmlShutdown)
         except Exception as exc:

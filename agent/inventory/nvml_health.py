@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -29,6 +29,7 @@ from agent.inventory.nvml_errors import (
 )
 from agent.inventory.nvml_inventory import text
 
+T = TypeVar("T")
 log = structlog.get_logger("agent.nvml")
 
 #: gpuInstanceId / computeInstanceId of an event that is not about a MIG device
@@ -114,7 +115,39 @@ def _optional(nvml: ModuleType, fn: Callable[..., Any], *args: Any) -> Any:
         raise
 
 
-async def run_checks(nvml: ModuleType, gpu: Gpu, *, interval_s: float, emit: SignalSink) -> None:
+class InFlight:
+    """Counts NVML calls running in worker threads, so that NVML is never shut down under one.
+
+    A cancelled ``asyncio.to_thread`` stops waiting, not the thread: the call may still be
+    inside NVML when the backend closes.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        with self._lock:
+            self._count += 1
+            self._idle.clear()
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._count == 0:
+                    self._idle.set()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block (in a worker thread) until no call is running; False on timeout."""
+        return self._idle.wait(timeout_s)
+
+
+async def run_checks(
+    nvml: ModuleType, gpu: Gpu, *, interval_s: float, emit: SignalSink, in_flight: InFlight | None = None
+) -> None:
     """Check one GPU every ``interval_s`` until cancelled; never raises otherwise.
 
     Each GPU has its own loop, so an NVML call that hangs on one GPU stalls only that
@@ -123,7 +156,10 @@ async def run_checks(nvml: ModuleType, gpu: Gpu, *, interval_s: float, emit: Sig
     last = "ok"  # a first passing check is not news
     while True:
         try:
-            result = await asyncio.to_thread(check_gpu, nvml, gpu)
+            if in_flight is None:
+                result = await asyncio.to_thread(check_gpu, nvml, gpu)
+            else:
+                result = await asyncio.to_thread(in_flight.call, check_gpu, nvml, gpu)
         except Exception as exc:  # a bug or an unexpected binding error: keep checking
             result = CheckResult(None, f"inconclusive: check failed: {type(exc).__name__}: {exc}")
         if result.outcome != last:
@@ -192,6 +228,10 @@ class EventWatcher:
     async def wait_exited(self) -> None:
         """Returns when the thread has ended (on its own, or after :meth:`stop`)."""
         await self._exited.wait()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     async def stop(self) -> None:
         self._stop.set()
