@@ -92,6 +92,8 @@ class Agent:
         self.debug_port = 0
         #: labels read from the Node object; the config's node_labels win over them
         self.api_labels: dict[str, str] = {}
+        #: set when a config file is watched; re-checked when the node changes under it
+        self.config_watcher: ConfigWatcher | None = None
         self._inventory_changed = asyncio.Event()
         registry.register(
             AgentCollector(
@@ -207,6 +209,7 @@ class Agent:
         self.inventory = inventory
         self.health.set_inventory(inventory)
         self._recompute_ownership("inventory changed")
+        self._retry_config()
         self.cdi.update_inventory(inventory)
         if self.plugin is not None:
             self.plugin.update_inventory(inventory)
@@ -216,6 +219,11 @@ class Agent:
         """The Node's labels changed (a pool relabelled): ownership rules may now match differently."""
         self.api_labels = labels
         self._recompute_ownership("node labels changed")
+        self._retry_config()
+
+    def _retry_config(self) -> None:
+        if self.config_watcher is not None:
+            self.config_watcher.retry()
 
     def _recompute_ownership(self, reason: str) -> None:
         """Ownership for the current config, inventory and labels; a config that no longer fits is reported."""
@@ -336,6 +344,7 @@ async def run_agent(
             watcher = ConfigWatcher(
                 path=options.config_path, overrides=options.overrides, state=config_state, validate=agent.validate
             )
+            agent.config_watcher = watcher
             roots["config-watch"] = watcher.run
         if plugin is not None:
             roots["device-plugin"] = plugin.run

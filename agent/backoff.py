@@ -16,5 +16,7 @@ class Backoff:
     jitter: float = 0.1
 
     def delay(self, attempt: int) -> float:
-        base = min(self.max_s, self.initial_s * self.factor ** max(0, attempt - 1))
+        # the exponent is capped before the power: a long outage must not overflow a float
+        exponent = min(max(0, attempt - 1), 64)
+        base = min(self.max_s, self.initial_s * self.factor**exponent)
         return base * (1 + random.uniform(-self.jitter, self.jitter))

@@ -55,7 +55,7 @@ def test_full_ownership_shape() -> None:
         ({"bogus": 1}, "bogus: unknown field"),
         ({"health": {"check_interval": 5}}, "health.check_interval: unknown field"),
         ({"health": {"check_interval_s": "soon"}}, "health.check_interval_s: expected a number, got 'soon'"),
-        ({"health": {"check_interval_s": 0}}, "health.check_interval_s: must be greater than 0"),
+        ({"health": {"check_interval_s": 0}}, "health.check_interval_s: must be a number greater than 0"),
         ({"health": {"xids": {79: "sometimes"}}}, "health.xids[79]: expected 'ignore', 'fatal'"),
         ({"ownership": {"default": "both"}}, "ownership.default: expected one of 'device-plugin' | 'dra' | 'none'"),
         ({"ownership": {"nodes": [{"gpus": {"0": "dra"}}]}}, "ownership.nodes[0].match: name node names or labels"),
@@ -132,3 +132,34 @@ def test_plain_view_is_json_ready() -> None:
     assert plain["health"]["xids"]["94"] == "count 2 within 60s"
     assert plain["paths"]["kubelet_root"] == "/var/lib/kubelet"
     assert isinstance(config_digest(config), str)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("plugin: {time_slicing: {replicas: '²'}}\n", "plugin.time_slicing.replicas: expected an integer"),
+        ("health: {history_size: " + "9" * 5000 + "}\n", "is not usable YAML"),
+        ("node_labels: &x {a: *x}\n", "self-referencing YAML aliases"),
+        ("health: {check_interval_s: .nan}\n", "health.check_interval_s: must be a number greater than 0"),
+        ("inventory_refresh_s: .inf\n", "inventory_refresh_s: must be a number greater than 0"),
+        ("health: {recovery_quiet_s: .nan}\n", "health.recovery_quiet_s: must not be negative"),
+        ("plugin: {time_slicing: {replicas: 5000}}\n", "plugin.time_slicing.replicas: at most 1024"),
+        ('plugin: {resource_name: "nvidia.com/gpu\\n"}\n', "is not a valid extended resource name"),
+    ],
+)
+def test_hostile_documents_are_one_line_config_errors(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    path = tmp_path / "config.yaml"
+    path.write_text("node_labels:\n" + "\n".join("  " + line for line in lines) + "\n")
+    with pytest.raises(ConfigError, match="too large or too deeply nested"):
+        load_config(path)

@@ -103,3 +103,25 @@ async def test_run_notices_a_rewrite(tmp_path: Path) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+
+
+def test_a_rejected_file_is_tried_again_when_the_node_changes(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("{}\n")
+    gpus_on_node = {"0"}
+
+    def fits(loaded: LoadedConfig) -> None:
+        for rule in loaded.config.ownership.nodes:
+            missing = set(rule.gpus) - gpus_on_node
+            if missing:
+                raise ConfigError(f"no GPU {sorted(missing)} on this node")
+
+    watcher = _watcher(path, fits)
+    assert not watcher.retry()  # nothing was rejected: nothing to do
+    path.write_text("ownership: {nodes: [{match: {names: [n]}, gpus: {'1': dra}}]}\n")
+    assert not watcher.check()
+    assert "no GPU ['1']" in watcher._state.last_error
+    gpus_on_node.add("1")  # the GPU is back (an inventory refresh found it)
+    assert watcher.retry()
+    assert watcher._state.last_error == ""
+    assert not watcher.retry()

@@ -142,6 +142,9 @@ class FakeCdi:
     kind: str = "k8s.gpu-node-agent.nvidia.com/gpu"
     ensured: int = 0
     fail: str = ""
+    #: when set, ensure_device_plugin_spec announces itself on ``entered`` and waits on it
+    gate: asyncio.Event | None = None
+    entered: asyncio.Event = field(default_factory=asyncio.Event)
 
     def device_name(self, device_uuid: str) -> str:
         return f"{self.kind}={device_uuid}"
@@ -151,6 +154,9 @@ class FakeCdi:
             from agent.errors import AgentError
 
             raise AgentError(self.fail)
+        self.entered.set()
+        if self.gate is not None:
+            await self.gate.wait()
         self.ensured += 1
 
 

@@ -191,6 +191,26 @@ async def test_allocate_each_strategy(strategies: tuple[str, ...]) -> None:
             assert "NVIDIA_VISIBLE_DEVICES" not in out.envs
 
 
+async def test_ownership_change_during_allocate_refuses_the_gpu() -> None:
+    """The handover lands while Allocate waits on the CDI spec: the GPU must not be handed out."""
+    async with plugin_harness(PluginConfig(device_list_strategy=("cdi-cri",))) as h:
+        await h.wait_ready()
+        h.cdi.gate = asyncio.Event()
+        g0 = h.gpu(0)
+        async with h.channel() as channel:
+            call = pb_grpc.DevicePluginStub(channel).Allocate(
+                pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[g0])])
+            )
+            pending = asyncio.ensure_future(call)
+            await asyncio.wait_for(h.cdi.entered.wait(), 2)
+            h.set_owner({g0: Owner.DRA}, "handover")
+            h.cdi.gate.set()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pending
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "not owned by the device plugin (owner dra)" in (info.value.details() or "")
+
+
 async def test_time_slicing_replicas_end_to_end() -> None:
     config = PluginConfig(
         time_slicing=TimeSlicingConfig(replicas=3, rename_by_default=True, fail_requests_greater_than_one=True)
@@ -336,6 +356,26 @@ async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
     await wait_for(lambda: len(h.kubelet.calls_for(GPU)) == 2, what="registered again")
     await h.wait_ready()
     assert h.socket().is_socket()
+
+
+async def test_restart_cut_short_by_a_rebuild_leaves_no_old_server(h: PluginHarness) -> None:
+    """A rebuild cancels a restart while it drains its streams: the old listener must still close."""
+    server = h.manager.servers[GPU]
+    listener = server._server  # the UnixGrpcServer of the current run
+    assert listener is not None
+    async with h.channel() as channel:
+        call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
+        await next_message(call)
+        await wait_for(lambda: server.open_streams == 1, what="the stream to open")
+        server.restart("kubelet.sock re-created")
+        for _ in range(1000):  # step the loop until the run sits in its stream drain (a brief window)
+            if server._server is None:
+                break
+            await asyncio.sleep(0)
+        assert server._server is None, "the restart never reached its stream drain"
+        h.set_plugin_config(PluginConfig(device_id_strategy="index"), "v2")  # lands mid-drain
+        await wait_for(lambda: h.manager.servers[GPU] is not server, what="the rebuild")
+        await wait_for(lambda: not listener.serving, what="the old listener to close")
 
 
 async def test_exit_removes_sockets() -> None:

@@ -23,19 +23,19 @@ SPEC_SUFFIXES = (".json", ".yaml")
 
 
 def vendor_problem(vendor: str) -> str | None:
-    if not _VENDOR_CLASS.match(vendor):
+    if not _VENDOR_CLASS.fullmatch(vendor):
         return f"invalid vendor {vendor!r}: starts with a letter, ends with a letter or digit, [A-Za-z0-9_.-] inside"
     return None
 
 
 def class_problem(klass: str) -> str | None:
-    if not _VENDOR_CLASS.match(klass):
+    if not _VENDOR_CLASS.fullmatch(klass):
         return f"invalid class {klass!r}: starts with a letter, ends with a letter or digit, [A-Za-z0-9_.-] inside"
     return None
 
 
 def device_name_problem(name: str) -> str | None:
-    if not _DEVICE_NAME.match(name):
+    if not _DEVICE_NAME.fullmatch(name):
         return f"invalid device name {name!r}: letters or digits at both ends, [A-Za-z0-9_.:-] inside"
     return None
 
@@ -79,7 +79,7 @@ def device_part(device_id: str) -> str:
 
 
 def check_claim_uid(claim_uid: str) -> str:
-    if len(claim_uid) > MAX_CLAIM_UID or not _CLAIM_UID.match(claim_uid):
+    if len(claim_uid) > MAX_CLAIM_UID or not _CLAIM_UID.fullmatch(claim_uid):
         raise InvalidNameError(
             f"claim UID {claim_uid!r} cannot be used in a CDI name: letters or digits at both ends, "
             f"[A-Za-z0-9_.-] inside, at most {MAX_CLAIM_UID} characters"
@@ -114,4 +114,4 @@ def claim_uid_of(kind: str, file_name: str) -> str | None:
     if not (file_name.startswith(prefix) and file_name.endswith(SPEC_SUFFIX)):
         return None
     uid = file_name[len(prefix) : -len(SPEC_SUFFIX)]
-    return uid if _CLAIM_UID.match(uid) else None
+    return uid if _CLAIM_UID.fullmatch(uid) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import types
@@ -81,6 +82,8 @@ def parse_yaml_mapping(text: str, label: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{label} is not valid YAML{where}: {problem}") from exc
+    except (ValueError, RecursionError, OverflowError) as exc:  # e.g. an integer of 5000 digits
+        raise ConfigError(f"{label} is not usable YAML: {type(exc).__name__}: {str(exc)[:80]}") from exc
     if doc is None:
         return {}
     if not isinstance(doc, dict):
@@ -90,6 +93,7 @@ def parse_yaml_mapping(text: str, label: str) -> dict[str, Any]:
 
 def build_config(document: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Config:
     """Validate ``document`` with dotted-path ``overrides`` applied on top."""
+    _check_shape(document)
     merged: dict[str, Any] = _deep_copy(dict(document))
     for dotted, value in (overrides or {}).items():
         _set_dotted(merged, dotted, value)
@@ -128,6 +132,7 @@ def to_plain(value: Any) -> Any:
 
 # --- semantic checks ---------------------------------------------------------------
 
+MAX_REPLICAS = 1024
 _QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _CDI_VENDOR_CLASS = re.compile(r"^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -143,9 +148,9 @@ def check_extended_resource_name(name: str, where: str) -> None:
         or domain.endswith(".kubernetes.io")
         or name.startswith("requests.")
         or len(short) > 63
-        or not _QUALIFIED_NAME.match(short)
+        or not _QUALIFIED_NAME.fullmatch(short)
         or len(domain) > 253
-        or not _DNS_SUBDOMAIN.match(domain)
+        or not _DNS_SUBDOMAIN.fullmatch(domain)
     )
     if bad:
         raise ConfigError(
@@ -156,7 +161,7 @@ def check_extended_resource_name(name: str, where: str) -> None:
 
 def check_cdi_kind(kind: str, where: str) -> None:
     vendor, sep, klass = kind.partition("/")
-    if not sep or not _CDI_VENDOR_CLASS.match(vendor) or not _CDI_VENDOR_CLASS.match(klass):
+    if not sep or not _CDI_VENDOR_CLASS.fullmatch(vendor) or not _CDI_VENDOR_CLASS.fullmatch(klass):
         raise ConfigError(f"{where}: {kind!r} is not a valid CDI kind (want <vendor>/<class>)")
     if "." in klass:
         # a dotted class needs cdiVersion 0.6.0, which runtimes built on older CDI libraries
@@ -174,8 +179,8 @@ def parse_host_port(addr: str, where: str) -> tuple[str, int]:
 
 def check_semantics(config: Config) -> None:
     def positive(value: float, where: str) -> None:
-        if value <= 0:
-            raise ConfigError(f"{where}: must be greater than 0, got {value!r}")
+        if not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{where}: must be a number greater than 0, got {value!r}")
 
     parse_host_port(config.debug_addr, "debug_addr")
     positive(config.inventory_refresh_s, "inventory_refresh_s")
@@ -185,7 +190,7 @@ def check_semantics(config: Config) -> None:
             raise ConfigError(f"paths.{name}: must be an absolute path, got {str(path)!r}")
     health = config.health
     positive(health.check_interval_s, "health.check_interval_s")
-    if health.recovery_quiet_s < 0:
+    if not math.isfinite(health.recovery_quiet_s) or health.recovery_quiet_s < 0:
         raise ConfigError(f"health.recovery_quiet_s: must not be negative, got {health.recovery_quiet_s!r}")
     positive(health.event_wait_ms, "health.event_wait_ms")
     positive(health.history_size, "health.history_size")
@@ -198,6 +203,12 @@ def check_semantics(config: Config) -> None:
     if len(set(config.plugin.device_list_strategy)) != len(config.plugin.device_list_strategy):
         raise ConfigError(f"plugin.device_list_strategy: duplicate entries in {config.plugin.device_list_strategy!r}")
     positive(config.plugin.time_slicing.replicas, "plugin.time_slicing.replicas")
+    if config.plugin.time_slicing.replicas > MAX_REPLICAS:
+        # every replica is a device in ListAndWatch, whose messages must stay far below the
+        # kubelet's 4 MiB gRPC limit
+        raise ConfigError(
+            f"plugin.time_slicing.replicas: at most {MAX_REPLICAS}, got {config.plugin.time_slicing.replicas}"
+        )
     check_cdi_kind(config.cdi.device_plugin_kind, "cdi.device_plugin_kind")
     check_cdi_kind(config.cdi.claim_kind, "cdi.claim_kind")
     positive(config.cdi.reconcile_interval_s, "cdi.reconcile_interval_s")
@@ -209,6 +220,29 @@ def check_semantics(config: Config) -> None:
 
 
 # --- type-driven conversion -------------------------------------------------------
+
+
+#: bounds on a config document after YAML aliases are expanded: a real config is a few
+#: hundred nodes; these stop "billion laughs" documents and self-referencing aliases
+MAX_NODES = 100_000
+MAX_DEPTH = 32
+
+
+def _check_shape(document: Any) -> None:
+    stack: list[tuple[Any, int]] = [(document, 0)]
+    nodes = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_NODES or depth > MAX_DEPTH:
+            raise ConfigError(
+                f"config: document too large or too deeply nested (more than {MAX_NODES} values or "
+                f"{MAX_DEPTH} levels; self-referencing YAML aliases?)"
+            )
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _deep_copy(value: Any) -> Any:
@@ -290,8 +324,9 @@ def convert(tp: Any, value: Any, where: str) -> Any:
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
+        text = value.strip() if isinstance(value, str) else ""
+        if text.lstrip("-").isascii() and text.lstrip("-").isdecimal() and len(text) <= 18:
+            return int(text)
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)

@@ -61,7 +61,7 @@ class XidRule:
         text = value.strip().lower()
         if text in ("ignore", "fatal"):
             return cls(action=text)  # type: ignore[arg-type]
-        match = _COUNT_RE.match(text)
+        match = _COUNT_RE.fullmatch(text)
         if match is None:
             raise ConfigError(f"{where}: expected 'ignore', 'fatal' or 'count N within T', got {value!r}")
         count = int(match.group(1))

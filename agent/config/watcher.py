@@ -57,6 +57,7 @@ class ConfigWatcher:
         self._validate = validate
         self._resync_interval_s = resync_interval_s
         self._last_bytes_digest = self._digest_file()
+        self._candidate_rejected = False
 
     def _digest_file(self) -> str:
         try:
@@ -83,6 +84,7 @@ class ConfigWatcher:
             candidate = self._load()
             self._validate(candidate)
         except ConfigError as exc:
+            self._candidate_rejected = True
             self._state.reject(str(exc))
             log.error(
                 "config update rejected, keeping the last good config",
@@ -91,10 +93,19 @@ class ConfigWatcher:
                 path=str(self._path),
             )
             return False
+        self._candidate_rejected = False
         installed = self._state.accept(candidate)
         if installed:
             log.info("config update applied", version=candidate.version, path=str(self._path))
         return installed
+
+    def retry(self) -> bool:
+        """The node changed (inventory, labels): a file rejected only because it did not fit
+        the node may fit now, so read it again even though its bytes are the same."""
+        if not self._candidate_rejected:
+            return False
+        self._last_bytes_digest = ""
+        return self.check()
 
     def _load(self) -> LoadedConfig:
         document = read_document(self._path)

@@ -242,7 +242,7 @@ def _build_gpu(spec: PresetSpec, position: int, node_name: str, preset_key: str)
     if not uuid.startswith("GPU-"):
         raise ConfigError(f"{where}.uuid: GPU UUIDs start with 'GPU-', got {uuid!r}")
     bus = g.pci_bus_id or f"00000000:{(index + 1) % 256:02X}:00.0"
-    if not _BUS_ID.match(bus):
+    if not _BUS_ID.fullmatch(bus):
         raise ConfigError(f"{where}.pci_bus_id: expected DDDDDDDD:BB:DD.F, got {bus!r}")
     bus = bus.upper() if len(bus) == 16 else "0000" + bus.upper()
     mig_enabled = bool(g.mig) if g.mig_enabled is None else g.mig_enabled
@@ -270,7 +270,7 @@ def _build_migs(
     slices: list[int] = []
     sizes_gb: list[int] = []
     for j, m in enumerate(g.mig):
-        match = _PROFILE.match(m.profile)
+        match = _PROFILE.fullmatch(m.profile)
         if match is None:
             raise ConfigError(f"{where}.mig[{j}].profile: expected <N>g.<M>gb, got {m.profile!r}")
         slices.append(int(match.group(1)))

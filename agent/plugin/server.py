@@ -260,12 +260,15 @@ class PluginServer:
         self._server = None
         if service is not None:
             service.stop_streams()
-        if servicer is not None and servicer.streams:
-            # streams return after their current send; one whose client stopped reading is
-            # cancelled by the server close below
-            await asyncio.wait(set(servicer.streams), timeout=self._timeouts.stream_drain_s)
-        if server is not None:
-            await server.close()
+        try:
+            if servicer is not None and servicer.streams:
+                # streams return after their current send; one whose client stopped reading is
+                # cancelled by the server close below
+                await asyncio.wait(set(servicer.streams), timeout=self._timeouts.stream_drain_s)
+        finally:
+            # even when cancelled while draining: this run's listener must not outlive it
+            if server is not None:
+                await server.close()
 
     def _observe_rpc(self, method: str, result: str, seconds: float) -> None:
         self._metrics.rpc_seconds.labels(self.resource.name, method, result).observe(seconds)

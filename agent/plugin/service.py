@@ -15,7 +15,7 @@ from agent.config.schema import PluginConfig
 from agent.events import Broadcast
 from agent.inventory.model import Inventory
 from agent.ownership import OwnershipState
-from agent.plugin.allocate import Allocator, ContainerAllocation
+from agent.plugin.allocate import Allocator, ContainerAllocation, resolve_ids
 from agent.plugin.cdinames import CdiNames
 from agent.plugin.errors import AllocationError, ErrorKind
 from agent.plugin.preferred import TopologyScorer, preferred_allocation
@@ -90,9 +90,14 @@ class ResourceService:
     # --- unary RPCs ----------------------------------------------------------------
 
     async def allocate(self, requests: Sequence[Sequence[str]]) -> list[ContainerAllocation]:
-        return await self._allocator.allocate(
+        answers = await self._allocator.allocate(
             self.resource, requests, ownership=self._ownership.current, health=self._health
         )
+        # the allocator may have awaited the CDI spec: an ownership handover or a health change
+        # that landed meanwhile must still refuse the devices (never both mechanisms at once)
+        for ids in requests:
+            resolve_ids(self.resource, ids, ownership=self._ownership.current, health=self._health)
+        return answers
 
     def prestart(self, ids: Sequence[str]) -> None:
         self._allocator.prestart(self.resource, ids, ownership=self._ownership.current, health=self._health)
