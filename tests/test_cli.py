@@ -86,6 +86,8 @@ def test_config_check_prints_effective_ownership(tmp_path: Path) -> None:
             "gpus['GPU-nope']: no GPU with that UUID or index",
         ),
         ("{}\n", ["--label", "novalue"], "--label: expected KEY=VALUE"),
+        ("plugin: {time_slicing: {replicas: '²'}}\n", [], "plugin.time_slicing.replicas: expected an integer"),
+        ("node_labels: &x {a: *x}\n", [], "self-referencing YAML aliases"),
     ],
 )
 def test_config_check_errors_are_one_line(tmp_path: Path, text: str, args: list[str], message: str) -> None:
