@@ -133,11 +133,25 @@ def run(
 
 
 async def _run(options: Any) -> int:
+    """Run the agent under signal handling; 0 after a requested stop.
+
+    A signal during start-up (NVML initialising, the first CDI spec, the API server) cancels the
+    start-up, which unwinds what was built so far; once the agent runs, a signal sets ``stop``
+    and the supervisor shuts down in order.
+    """
     from agent.app import SHUTDOWN_TIMEOUT_S, run_agent
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals_seen: list[str] = []
+    running = False
+    deadline: list[asyncio.TimerHandle] = []
+
+    def on_running(_agent: object) -> None:
+        nonlocal running
+        running = True
+
+    agent_task = asyncio.create_task(run_agent(options, stop=stop, on_agent=on_running), name="agent")
 
     def on_signal(signum: int) -> None:
         name = signal.Signals(signum).name
@@ -147,12 +161,24 @@ async def _run(options: Any) -> int:
             os._exit(1)
         log.info("signal received, shutting down", signal=name)
         stop.set()
+        if not running:
+            agent_task.cancel()
         # the ultimate deadline: a component that ignores cancellation cannot keep us alive
-        loop.call_later(SHUTDOWN_TIMEOUT_S + 0.8, _hard_exit)
+        deadline.append(loop.call_later(SHUTDOWN_TIMEOUT_S + 0.8, _hard_exit))
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
-    await run_agent(options, stop=stop)
+    try:
+        await agent_task
+    except asyncio.CancelledError:
+        if not signals_seen:
+            raise
+        log.info("stopped during start-up")
+    finally:
+        for handle in deadline:
+            handle.cancel()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
     return 0
 
 

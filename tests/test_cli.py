@@ -101,3 +101,29 @@ def test_config_check_errors_are_one_line(tmp_path: Path, text: str, args: list[
 def test_config_check_missing_file(tmp_path: Path) -> None:
     code, _, err = invoke("config", "check", str(tmp_path / "nope.yaml"))
     assert code == 2 and "cannot read config file" in err
+
+
+async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import os
+    import signal
+
+    import agent.app
+    from agent.cli import _run
+
+    unwound = asyncio.Event()
+    starting = asyncio.Event()
+
+    async def slow_start(options: object, *, stop: asyncio.Event, on_agent: object = None) -> None:
+        try:
+            starting.set()
+            await asyncio.Event().wait()  # e.g. NVML initialising on a sick node
+        finally:
+            unwound.set()
+
+    monkeypatch.setattr(agent.app, "run_agent", slow_start)
+    task = asyncio.create_task(_run(object()))
+    await asyncio.wait_for(starting.wait(), 5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(task, 5) == 0
+    assert unwound.is_set()
