@@ -125,3 +125,23 @@ def test_a_rejected_file_is_tried_again_when_the_node_changes(tmp_path: Path) ->
     assert watcher.retry()
     assert watcher._state.last_error == ""
     assert not watcher.retry()
+
+
+def test_an_update_during_start_up_is_not_lost(tmp_path: Path) -> None:
+    """The watcher's baseline is the bytes the running config came from, not the file later."""
+    path = tmp_path / "config.yaml"
+    path.write_text("ownership: {default: device-plugin}\n")
+    state = ConfigState(load_config(path))
+    path.write_text("ownership: {default: dra}\n")  # lands while the agent is still starting
+    watcher = ConfigWatcher(path=path, overrides={}, state=state, validate=lambda loaded: None)
+    assert watcher.check()
+    assert state.config.ownership.default is Owner.DRA
+
+
+def test_a_file_that_is_not_utf8_is_rejected_not_fatal(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("{}\n")
+    watcher = _watcher(path)
+    path.write_bytes(b"ownership: {default: \xff\xfe}\n")
+    assert not watcher.check()
+    assert "is not UTF-8 text" in watcher._state.last_error

@@ -316,3 +316,10 @@ async def test_unknown_device(sim: Harness) -> None:
         with pytest.raises(DeviceNotFoundError, match="no simulated device"):
             sim.backend.inject(device, healthy=False, xid=79)
     assert sim.monitor.counts()[HealthState.HEALTHY] == len(sim.inventory)
+
+
+def test_a_preset_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    path.write_bytes(b"gpus: [\xff]\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        SimulatedBackend(preset=str(path), node_name="n", health=HealthConfig())

@@ -51,6 +51,8 @@ class LoadedConfig:
     config: Config
     version: str  # short digest of the effective config
     source: str  # the file it came from, or "defaults"
+    #: digest of the exact bytes parsed (the watcher's baseline: a change after them is news)
+    file_digest: str = ""
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -64,13 +66,29 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def read_document(path: Path) -> dict[str, Any]:
-    """Parse a config file; an unreadable or non-mapping file is a ConfigError."""
+def read_config_bytes(path: Path) -> bytes:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
-    return parse_yaml_mapping(text, f"config file {path}")
+
+
+def parse_config_bytes(data: bytes, label: str) -> dict[str, Any]:
+    """UTF-8 YAML holding a mapping; anything else is a one-line ConfigError."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label} is not UTF-8 text (bad byte at offset {exc.start})") from exc
+    return parse_yaml_mapping(text, label)
+
+
+def bytes_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_document(path: Path) -> dict[str, Any]:
+    """Parse a config file; an unreadable or non-mapping file is a ConfigError."""
+    return parse_config_bytes(read_config_bytes(path), f"config file {path}")
 
 
 def parse_yaml_mapping(text: str, label: str) -> dict[str, Any]:
@@ -103,9 +121,12 @@ def build_config(document: Mapping[str, Any], overrides: Mapping[str, Any] | Non
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> LoadedConfig:
-    document = read_document(path) if path is not None else {}
-    config = build_config(document, overrides)
-    return LoadedConfig(config=config, version=config_digest(config), source=str(path) if path else "defaults")
+    if path is None:
+        config = build_config({}, overrides)
+        return LoadedConfig(config=config, version=config_digest(config), source="defaults")
+    data = read_config_bytes(path)
+    config = build_config(parse_config_bytes(data, f"config file {path}"), overrides)
+    return LoadedConfig(config=config, version=config_digest(config), source=str(path), file_digest=bytes_digest(data))
 
 
 def config_digest(config: Config) -> str:

@@ -12,14 +12,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from agent.config.loader import LoadedConfig, build_config, config_digest, read_document
+from agent.config.loader import (
+    LoadedConfig,
+    build_config,
+    bytes_digest,
+    config_digest,
+    parse_config_bytes,
+    read_config_bytes,
+)
 from agent.config.schema import RESTART_ONLY_FIELDS, Config
 from agent.config.state import ConfigState
 from agent.errors import ConfigError
@@ -56,14 +62,10 @@ class ConfigWatcher:
         self._state = state
         self._validate = validate
         self._resync_interval_s = resync_interval_s
-        self._last_bytes_digest = self._digest_file()
+        # the bytes the running config was parsed from: an update that landed while the agent
+        # was starting (after that parse, before this watcher existed) is still news
+        self._last_bytes_digest = state.loaded.file_digest
         self._candidate_rejected = False
-
-    def _digest_file(self) -> str:
-        try:
-            return hashlib.sha256(self._path.read_bytes()).hexdigest()
-        except OSError as exc:
-            return f"unreadable:{exc.errno}"
 
     async def run(self) -> None:
         """Watch until cancelled. Events are the fast path; a slow resync covers missed ones."""
@@ -76,12 +78,20 @@ class ConfigWatcher:
 
     def check(self) -> bool:
         """Re-read the file if its bytes changed; returns whether a new config was installed."""
-        digest = self._digest_file()
+        # one read: the bytes compared are the bytes parsed
+        unreadable: ConfigError | None = None
+        try:
+            data = read_config_bytes(self._path)
+            digest = bytes_digest(data)
+        except ConfigError as exc:
+            data, digest, unreadable = b"", f"unreadable: {exc}", exc
         if digest == self._last_bytes_digest:
             return False
         self._last_bytes_digest = digest
         try:
-            candidate = self._load()
+            if unreadable is not None:
+                raise unreadable
+            candidate = self._load(data, digest)
             self._validate(candidate)
         except ConfigError as exc:
             self._candidate_rejected = True
@@ -107,8 +117,8 @@ class ConfigWatcher:
         self._last_bytes_digest = ""
         return self.check()
 
-    def _load(self) -> LoadedConfig:
-        document = read_document(self._path)
+    def _load(self, data: bytes, digest: str) -> LoadedConfig:
+        document = parse_config_bytes(data, f"config file {self._path}")
         config = build_config(document, self._overrides)
         config, restart_only = keep_restart_only(self._state.config, config)
         if restart_only:
@@ -116,4 +126,4 @@ class ConfigWatcher:
                 "config fields changed that take effect only on restart; keeping the running values",
                 fields=restart_only,
             )
-        return LoadedConfig(config=config, version=config_digest(config), source=str(self._path))
+        return LoadedConfig(config=config, version=config_digest(config), source=str(self._path), file_digest=digest)

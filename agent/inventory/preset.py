@@ -173,6 +173,8 @@ def load_preset(preset: str) -> LoadedPreset:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read {label}: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{label} is not UTF-8 text (bad byte at offset {exc.start})") from exc
         stem = path.stem
     spec = parse_preset(text, label)
     return LoadedPreset(key=spec.name or stem, label=label, spec=spec)
