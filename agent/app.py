@@ -169,20 +169,35 @@ class Agent:
         return {owner.value: n for owner, n in self.ownership.current.counts().items()}
 
     async def watch_health(self) -> None:
-        """Run the backend's health watch, restarting it whenever the inventory changes."""
-        while True:
-            self._inventory_changed.clear()
-            watch = asyncio.create_task(self.backend.watch_health(self.inventory, self.health.observe))
-            changed = asyncio.create_task(self._inventory_changed.wait())
-            try:
-                await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for task in (watch, changed):
-                    task.cancel()
-                await asyncio.gather(watch, changed, return_exceptions=True)
-            if watch.done() and not watch.cancelled():
-                watch.result()  # a failure propagates; a plain return is caught by the guard
-                return
+        """Run the backend's health watch, moving it to each new inventory as it arrives.
+
+        The new watch starts before the old one stops, so the backend's hooks (the simulated
+        injection path) never see a moment without a running watch.
+        """
+        watch = self._start_watch()
+        try:
+            while True:
+                self._inventory_changed.clear()
+                changed = asyncio.create_task(self._inventory_changed.wait())
+                try:
+                    await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if watch.done():
+                    watch.result()  # a failure propagates; a plain return is caught by the guard
+                    return
+                old, watch = watch, self._start_watch()
+                await asyncio.sleep(0)  # let the new watch take over before the old one ends
+                old.cancel()
+                await asyncio.gather(old, return_exceptions=True)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+
+    def _start_watch(self) -> asyncio.Task[None]:
+        return asyncio.create_task(
+            self.backend.watch_health(self.inventory, self.health.observe), name="backend-health-watch"
+        )
 
     async def refresh_inventory(self) -> None:
         """Re-read the backend now and then; hand a changed inventory to every consumer."""

@@ -1,0 +1,53 @@
+"""The agent moves the backend's health watch to each new inventory without a gap."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent.app import Agent
+from agent.cdi.service import NullCdiService
+from agent.config.loader import load_config
+from agent.config.schema import HealthConfig
+from agent.config.state import ConfigState
+from agent.health.monitor import HealthMonitor
+from agent.inventory.simulated import SimulatedBackend
+from agent.ownership import OwnershipState
+
+
+async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() -> None:
+    health = HealthConfig(check_interval_s=3600)
+    backend = SimulatedBackend(preset="h100-8x-nvlink", node_name="n", health=health)
+    inventory = await backend.load()
+    monitor = HealthMonitor(config=health)
+    monitor.set_inventory(inventory)
+    agent = Agent(
+        config_state=ConfigState(load_config(None)),
+        node_name="n",
+        backend=backend,
+        inventory=inventory,
+        health=monitor,
+        ownership=OwnershipState(),
+        cdi=NullCdiService(),
+        plugin=None,
+        registry=CollectorRegistry(),
+    )
+    task = asyncio.create_task(agent.watch_health())
+    try:
+        for _ in range(100):
+            if backend._emit is not None:
+                break
+            await asyncio.sleep(0)
+        for round_ in range(20):
+            agent.apply_inventory(replace(inventory, driver_version=f"570.{round_}"))
+            for _ in range(5):  # every loop step of the hand-over
+                backend.inject("0", healthy=True)  # raises if no watch is running
+                await asyncio.sleep(0)
+        assert not task.done()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
