@@ -106,3 +106,31 @@ async def test_port_in_use_is_one_clear_error() -> None:
 async def test_serve_on_port_zero_reports_the_bound_port() -> None:
     async with serve_debug(_context(), "127.0.0.1", 0) as port:
         assert port > 0
+
+
+async def test_absurd_bodies_are_400_not_500(aiohttp_client: Any) -> None:
+    client = await aiohttp_client(build_app(_context(sim=FakeSim())))
+    resp = await client.post("/debug/simulated/health", data=b"[" * 100_000 + b"]" * 100_000)
+    assert resp.status == 400
+    resp = await client.post("/debug/simulated/health", json={"device": "9" * 5000, "healthy": False})
+    assert resp.status == 400
+
+
+def test_inventory_lookup_by_odd_index_strings_finds_nothing() -> None:
+    from agent.inventory.model import Gpu, Inventory
+
+    gpu = Gpu(
+        uuid="GPU-a",
+        index=2,
+        minor=2,
+        product_name="p",
+        architecture="a",
+        compute_capability="9.0",
+        memory_mib=1,
+        pci_bus_id="00000000:01:00.0",
+        numa_node=None,
+    )
+    inventory = Inventory(backend="t", driver_version="1", cuda_driver_version="1", gpus=(gpu,))
+    assert inventory.find("2") is gpu
+    for key in ("²", "٢", "9" * 5000, "-2", " 2"):
+        assert inventory.find(key) is None

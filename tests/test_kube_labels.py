@@ -563,3 +563,25 @@ async def test_label_source_from_kubeconfig_and_in_cluster(api: FakeApi, tmp_pat
     exec_config = _kubeconfig(tmp_path, api.url, {"exec": {"command": "x"}})
     with pytest.raises(KubeConfigError, match="exec credential plugin"):
         label_source(kubeconfig=str(exec_config), node_name=NODE, static_labels={})
+
+
+async def test_absurdly_nested_json_from_the_api_is_a_kube_error(tmp_path: Path) -> None:
+    """Whatever the server sends, only KubeError comes out (never RecursionError)."""
+    deep = b"[" * 100_000 + b"]" * 100_000
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=deep, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/nodes/{name}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        client = KubeClient(kubeconfig_access(_kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"})))
+        with pytest.raises(KubeError):
+            await client.get_json(f"/api/v1/nodes/{NODE}")
+    finally:
+        await runner.cleanup()

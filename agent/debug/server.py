@@ -82,14 +82,14 @@ async def simulated_health(request: web.Request) -> web.Response:
         raise web.HTTPNotFound()
     try:
         body = await request.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         return _bad_request('body must be JSON like {"device": "0", "healthy": false, "xid": 79}')
     if not isinstance(body, dict):
         return _bad_request("body must be a JSON object")
     device, healthy, xid = body.get("device"), body.get("healthy"), body.get("xid")
     if isinstance(device, int) and not isinstance(device, bool):
         device = str(device)
-    if not isinstance(device, str) or not device:
+    if not isinstance(device, str) or not device or len(device) > 256:
         return _bad_request("'device' must be a GPU UUID, MIG UUID or index")
     if not isinstance(healthy, bool):
         return _bad_request("'healthy' must be true or false")

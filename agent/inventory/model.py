@@ -120,8 +120,9 @@ class Inventory:
 
     def find(self, key: str) -> Gpu | None:
         """A GPU by UUID, or by index when ``key`` is all digits."""
+        index = int(key) if key.isascii() and key.isdecimal() and len(key) <= 6 else None
         for gpu in self.gpus:
-            if gpu.uuid == key or (key.isdigit() and gpu.index == int(key)):
+            if gpu.uuid == key or gpu.index == index:
                 return gpu
         return None
 

@@ -174,7 +174,7 @@ def _b64(entry: Mapping[str, Any], key: str, where: str) -> bytes:
         return b""
     try:
         return base64.b64decode(str(value), validate=True)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise KubeConfigError(f"{where}: {key} is not valid base64") from exc
 
 
@@ -240,7 +240,7 @@ class KubeClient:
                 body = await resp.json(content_type=None)
         except KubeError:
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RecursionError) as exc:
             raise _connection_error("GET", url, exc) from exc
         if not isinstance(body, dict):
             raise KubeError(f"GET {url}: expected a JSON object, got {type(body).__name__}", recoverable=True)
@@ -323,7 +323,7 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
 def _status_message(text: str) -> str:
     try:
         body = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return ""
     return str(body.get("message") or "") if isinstance(body, dict) else ""
 
@@ -331,7 +331,7 @@ def _status_message(text: str) -> str:
 def _event(url: str, line: bytes) -> dict[str, Any]:
     try:
         event = json.loads(line)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise KubeError(f"watch {url}: undecodable event: {exc}", recoverable=True) from exc
     if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
         raise KubeError(f"watch {url}: malformed event {line[:80]!r}", recoverable=True)
