@@ -16,7 +16,16 @@ something happened to a name; the consumer looks at the file system to see *what
 The directory need not exist: the watcher then watches the nearest existing ancestor and
 starts watching the directory when it appears, reporting every name already in it. When the
 directory itself is deleted or moved away (``IN_DELETE_SELF``/``IN_MOVE_SELF``) the watcher
-falls back to the ancestor again. A kernel queue overflow reports every name in the directory.
+falls back to the ancestor again.
+
+:data:`RESCAN` (``"*"``) in a batch means the watcher cannot say exactly what changed: names
+may have appeared, changed *or vanished* without being named. It is added on an inotify queue
+overflow (``IN_Q_OVERFLOW``: events were dropped), when the watched directory is deleted,
+moved away or replaced (the names that went with it are not known), and on a switch from
+inotify to polling; the batch also holds every name in the directory at that moment. A
+consumer that sees it treats every name it cares about as changed and looks again. The
+polling mode never reports it: it diffs listings, so its reports are exact. (A real file
+named ``*`` is reported as ``*`` too, which only costs the consumer a needless look.)
 
 Linux inotify is used through ``ctypes`` (libc ``inotify_init1``/``inotify_add_watch``) with
 ``loop.add_reader``. Where inotify is unavailable (not Linux, no libc symbol, watch limits
@@ -68,7 +77,12 @@ SELF_MASK = IN_DELETE_SELF | IN_MOVE_SELF
 #: events on an ancestor while the directory is missing
 ANCESTOR_MASK = IN_CREATE | IN_MOVED_TO | IN_DELETE_SELF | IN_MOVE_SELF
 
+#: reported (with the current listing) when the watcher cannot name what changed: anything in
+#: the directory may have been created, changed or deleted; see the module docstring
+RESCAN = "*"
+
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len
+_READ_SIZE = 64 * 1024
 
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -205,17 +219,21 @@ class DirectoryWatcher:
         return int(self._lib.add_watch(self._fd, os.fsencode(path), mask | IN_ONLYDIR))
 
     def _arm(self) -> bool:
-        """Watch the directory, or its nearest existing ancestor; False if nothing can be watched."""
+        """Watch the directory, or its nearest existing ancestor; False if nothing can be watched.
+
+        The new watch is added before the old one is removed, so no event falls between them;
+        ``inotify_add_watch`` on the inode already watched returns the same descriptor (with the
+        new mask), which is then kept. The old watch's ``IN_IGNORED`` is skipped by wd mismatch.
+        """
         assert self._lib is not None
-        if self._wd >= 0:
-            self._lib.rm_watch(self._fd, self._wd)  # its IN_IGNORED is skipped by wd mismatch
-            self._wd = -1
-        was_target = self._watching_target
+        old_wd, was_target = self._wd, self._watching_target
         candidate = self.path
         while True:
             is_target = candidate == self.path
             wd = self._add_watch(candidate, (TARGET_MASK | SELF_MASK) if is_target else ANCESTOR_MASK)
             if wd >= 0:
+                if old_wd >= 0 and wd != old_wd:
+                    self._lib.rm_watch(self._fd, old_wd)  # EINVAL if the kernel dropped it: fine
                 self._wd, self._watching_target = wd, is_target
                 if is_target and not was_target and self._armed_once:
                     # it appeared: whatever is in it counts as new (not on the first arm,
@@ -230,16 +248,20 @@ class DirectoryWatcher:
             log.info("inotify_add_watch failed, polling instead", path=str(candidate), errno=err)
             return False
 
+    def _read(self) -> bytes:
+        """One read of queued events (a seam for tests that fake kernel events)."""
+        return os.read(self._fd, _READ_SIZE)
+
     def _on_readable(self) -> None:
         try:
-            data = os.read(self._fd, 64 * 1024)
+            data = self._read()
         except BlockingIOError:
             return
         except OSError as exc:
             log.warning("inotify read failed", path=str(self.path), error=str(exc))
             return
         names: set[str] = set()
-        rearm = False
+        rearm = rescan = False
         offset = 0
         while offset + _EVENT.size <= len(data):
             wd, mask, _cookie, length = _EVENT.unpack_from(data, offset)
@@ -247,31 +269,41 @@ class DirectoryWatcher:
             offset += _EVENT.size + length
             name = os.fsdecode(raw.rstrip(b"\0"))
             if mask & IN_Q_OVERFLOW:
-                names |= set(_listing(self.path))
+                # events were dropped, perhaps the directory's own IN_DELETE_SELF/IN_IGNORED
+                # too: look again at what is there and make sure the watch is on it
+                log.warning("inotify queue overflowed, rescanning", path=str(self.path))
+                rescan = rearm = True
                 continue
             if wd != self._wd:
                 continue
             if self._watching_target:
                 if mask & (SELF_MASK | IN_IGNORED):
-                    # the directory went away (perhaps already re-created): whatever is
-                    # there when we watch again is reported as new
+                    # the directory went away (perhaps already re-created): what was in it is
+                    # unknown; whatever is there when we watch again is reported as new
                     self._watching_target = False
-                    rearm = True
+                    rescan = rearm = True
                 elif name:
                     names.add(name)
             elif mask & (SELF_MASK | IN_IGNORED) or name:
                 # something appeared in (or happened to) an ancestor: try to get closer
                 rearm = True
-        self._report(names)
         if rearm and not self._arm():
+            self._report(names)
             self._switch_to_polling()
+            return
+        if rescan:
+            names |= {RESCAN, *_listing(self.path)}
+        self._report(names)
 
     def _switch_to_polling(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._fd)
         os.close(self._fd)
         self._fd = self._wd = -1
-        self._poll_task = loop.create_task(self._poll(_listing(self.path)), name=f"fswatch-poll:{self.path}")
+        snapshot = _listing(self.path)
+        # events may have been lost on the way here: say so, with what is there now
+        self._report({RESCAN, *snapshot})
+        self._poll_task = loop.create_task(self._poll(snapshot), name=f"fswatch-poll:{self.path}")
 
     # --- polling ---------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_f
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
 from agent.config.schema import CdiConfig
-from agent.fswatch import DirectoryWatcher
+from agent.fswatch import RESCAN, DirectoryWatcher
 from agent.inventory.model import Inventory
 
 log = structlog.get_logger("agent.cdi")
@@ -262,7 +262,8 @@ class CdiService:
 
     async def _kick_on_changes(self, watcher: DirectoryWatcher) -> None:
         async for names in watcher:
-            if any(self._writer.owns(name) for name in names):
+            # RESCAN: the watcher lost track (overflow, directory replaced): any spec may be gone
+            if RESCAN in names or any(self._writer.owns(name) for name in names):
                 self._kick.set()
 
     async def _reconcile_loop(self) -> None:

@@ -28,7 +28,7 @@ from agent.config.loader import LoadedConfig
 from agent.config.schema import PluginConfig
 from agent.config.state import ConfigState
 from agent.events import Subscription
-from agent.fswatch import DirectoryWatcher
+from agent.fswatch import RESCAN, DirectoryWatcher
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
 from agent.ownership import OwnershipState
@@ -238,9 +238,16 @@ class PluginManager:
             self.on_files_changed(names)
 
     def on_files_changed(self, names: set[str]) -> None:
+        """React to a watcher batch; :data:`~agent.fswatch.RESCAN` in it means any name may have
+        changed, so every socket is looked at as if it had been named."""
         self.watch_batches += 1
         self.last_watch_names = frozenset(names)
-        if KUBELET_SOCKET in names:
+        rescan = RESCAN in names
+
+        def touched(name: str) -> bool:
+            return rescan or name in names
+
+        if touched(KUBELET_SOCKET):
             inode = _inode(self.kubelet_socket)
             if inode is not None and inode != self._kubelet_inode:
                 # servers that already registered with this kubelet (they restarted for their
@@ -251,7 +258,7 @@ class PluginManager:
                     server.restart("kubelet.sock re-created")
             self._kubelet_inode = inode
         for server in self._servers.values():
-            if server.socket_path.name in names and server.socket_lost():
+            if touched(server.socket_path.name) and server.socket_lost():
                 log.warning("device plugin socket was deleted", socket=str(server.socket_path))
                 server.restart("own socket deleted")
 
