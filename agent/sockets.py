@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import stat
 import weakref
 from collections.abc import Sequence
@@ -37,15 +38,32 @@ MAX_SOCKET_PATH = 107
 
 
 def remove_stale_socket(path: Path) -> bool:
-    """Remove whatever non-directory file sits at ``path``; returns whether one was removed."""
+    """Remove a socket file nobody serves on (a crashed run's); returns whether one was removed.
+
+    Anything else at ``path`` is left alone and is a StartupError: a directory or a regular
+    file, and a socket that still accepts connections (another process serves there).
+    """
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
         return False
-    if stat.S_ISDIR(mode):
-        raise StartupError(f"cannot listen on {path}: a directory is in the way")
+    if not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
+        raise StartupError(f"cannot listen on {path}: {kind} is in the way")
+    if _accepts(path):
+        raise StartupError(f"cannot listen on {path}: another process is serving on it")
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
+    return True
+
+
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
     return True
 
 

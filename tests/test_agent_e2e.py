@@ -83,11 +83,11 @@ async def test_agent_serves_the_kubelet_end_to_end(running: tuple[AgentProcess, 
     uuids = [d["uuid"] for d in state["devices"]]
 
     (call,) = kubelet.calls_for("nvidia.com/gpu")
-    assert call.request.endpoint == "nvidia-gpu.sock" and not call.error
+    assert call.request.endpoint == "gpu-node-agent-nvidia-gpu.sock" and not call.error
     assert call.options is not None and call.options.get_preferred_allocation_available
     assert state["device_plugin"]["ready"] is True
 
-    socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+    socket = kubelet.plugin_dir / "gpu-node-agent-nvidia-gpu.sock"
     async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
         stub = pb_grpc.DevicePluginStub(channel)
         stream = Stream(stub.ListAndWatch(pb.Empty()))
@@ -165,7 +165,7 @@ async def test_cdi_names_from_allocate_exist_on_disk_and_come_back() -> None:
         try:
             await asyncio.to_thread(agent.wait_ready)
             uuid = agent.state()["devices"][3]["uuid"]
-            socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+            socket = kubelet.plugin_dir / "gpu-node-agent-nvidia-gpu.sock"
             async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
                 stub = pb_grpc.DevicePluginStub(channel)
                 response = await stub.Allocate(
@@ -215,7 +215,7 @@ async def test_simulated_node_without_driver_answers_every_strategy() -> None:
             state = agent.state()
             assert state["cdi"]["enabled"] is True and state["cdi"]["driver_mode"] == "simulated"
             uuids = [d["uuid"] for d in state["devices"][:2]]
-            socket = kubelet.plugin_dir / "nvidia-gpu.sock"
+            socket = kubelet.plugin_dir / "gpu-node-agent-nvidia-gpu.sock"
             async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
                 stub = pb_grpc.DevicePluginStub(channel)
                 response = await stub.Allocate(

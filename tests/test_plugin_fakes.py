@@ -190,10 +190,10 @@ class PluginHarness:
     def plugin_dir(self) -> Path:
         return self.root / "device-plugins"
 
-    def socket(self, name: str = "nvidia-gpu.sock") -> Path:
+    def socket(self, name: str = "gpu-node-agent-nvidia-gpu.sock") -> Path:
         return self.plugin_dir / name
 
-    def channel(self, name: str = "nvidia-gpu.sock") -> grpc.aio.Channel:
+    def channel(self, name: str = "gpu-node-agent-nvidia-gpu.sock") -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(f"unix://{self.socket(name)}")
 
     def gpu(self, index: int) -> str:

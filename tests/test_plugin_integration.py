@@ -38,7 +38,7 @@ async def h() -> AsyncIterator[PluginHarness]:
 async def test_serves_then_registers_like_the_kubelet_expects(h: PluginHarness) -> None:
     (call,) = h.kubelet.calls
     assert call.request.version == "v1beta1"
-    assert call.request.endpoint == "nvidia-gpu.sock"  # a basename, relative to device-plugins/
+    assert call.request.endpoint == "gpu-node-agent-nvidia-gpu.sock"  # a basename, relative to device-plugins/
     assert call.request.resource_name == GPU
     assert call.request.options.get_preferred_allocation_available
     assert not call.request.options.pre_start_required
@@ -218,7 +218,7 @@ async def test_time_slicing_replicas_end_to_end() -> None:
     async with plugin_harness(config) as h:
         await h.wait_ready()
         assert [c.request.resource_name for c in h.kubelet.calls] == ["nvidia.com/gpu.shared"]
-        async with h.channel("nvidia-gpu.shared.sock") as channel:
+        async with h.channel("gpu-node-agent-nvidia-gpu.shared.sock") as channel:
             stub = pb_grpc.DevicePluginStub(channel)
             call = stub.ListAndWatch(pb.Empty())
             first = await next_message(call)
@@ -337,7 +337,7 @@ async def test_config_change_rebuilds_servers(h: PluginHarness) -> None:
     await wait_for(lambda: bool(h.kubelet.calls_for("example.com/gpu")), what="new resource registered")
     await h.wait_ready()
     assert not old_socket.exists()
-    assert h.socket("example-gpu.sock").is_socket()
+    assert h.socket("gpu-node-agent-example-gpu.sock").is_socket()
     assert list(h.manager.servers) == ["example.com/gpu"]
     # a config change outside the plugin section does not rebuild
     h.config_state.accept(loaded(replace(h.config_state.config, log_level="debug"), "v3"))
@@ -482,3 +482,20 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+
+
+async def test_rescan_batch_restarts_a_server_whose_socket_is_gone(h: PluginHarness) -> None:
+    """The watcher lost track (queue overflow, directory replaced) and names nothing: RESCAN
+    alone must make the manager look at every socket."""
+    from agent.fswatch import RESCAN
+
+    server = h.manager.servers[GPU]
+    h.manager.on_files_changed({RESCAN})  # everything in place: nothing restarts
+    assert not server._restart.is_set()
+    h.socket().unlink()
+    h.manager.on_files_changed({RESCAN})  # before the watcher can name the socket
+    assert server._restart.is_set() and server._restart_reason == "own socket deleted"
+    await wait_for(lambda: len(h.kubelet.calls) == 2, within_s=1.0, what="re-register")
+    assert h.socket().is_socket()
+    await h.wait_ready()
+    assert server.runs == 2 and len(h.kubelet.calls) == 2

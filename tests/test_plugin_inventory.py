@@ -46,7 +46,7 @@ def mig(profile: str) -> str:
 
 
 def mig_socket(profile: str) -> str:
-    return f"nvidia-mig-{profile}.sock"
+    return f"gpu-node-agent-nvidia-mig-{profile}.sock"
 
 
 def with_mig(inventory: Inventory, index: int, profiles: Sequence[str], layout: str) -> Inventory:

@@ -34,7 +34,7 @@ async def test_whole_gpus_by_uuid() -> None:
     res = plan.resources[0]
     assert [d.id for d in res.devices] == [g.uuid for g in sorted(inv.gpus, key=lambda g: g.index)]
     assert [d.numa_node for d in res.devices] == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert res.socket_name == "nvidia-gpu.sock"
+    assert res.socket_name == "gpu-node-agent-nvidia-gpu.sock"
     assert all(d.visible_id == d.target_uuid == d.gpu_uuid for d in res.devices)
     assert plan.problems == ()
 
@@ -44,7 +44,7 @@ async def test_index_strategy_and_rename() -> None:
     plan = plan_resources(inv, PluginConfig(resource_name="example.com/accel", device_id_strategy="index"))
     (res,) = plan.resources
     assert res.name == "example.com/accel"
-    assert res.socket_name == "example-accel.sock"
+    assert res.socket_name == "gpu-node-agent-example-accel.sock"
     assert [d.id for d in res.devices] == [str(i) for i in range(8)]
     assert res.devices[3].target_uuid == inv.find("3").uuid  # type: ignore[union-attr]
 
@@ -88,7 +88,7 @@ async def test_mig_mixed_one_resource_per_profile() -> None:
     assert all(
         d.gpu_uuid == m.parent_uuid and d.mig_uuid == m.uuid for d, m in zip(one_g.devices, expected, strict=True)
     )
-    assert one_g.socket_name == "nvidia-mig-1g.5gb.sock"
+    assert one_g.socket_name == "gpu-node-agent-nvidia-mig-1g.5gb.sock"
 
 
 async def test_mig_mixed_index_ids() -> None:

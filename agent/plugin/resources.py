@@ -38,6 +38,9 @@ class HealthLookup(Protocol):
     def is_healthy(self, uuid: str) -> bool: ...
 
 
+SOCKET_PREFIX = "gpu-node-agent-"
+
+
 @dataclass(frozen=True, slots=True)
 class PluginDevice:
     """One device ID the kubelet may see, and what it stands for on the node."""
@@ -70,9 +73,13 @@ class Resource:
 
     @property
     def socket_name(self) -> str:
-        """The socket file name, NVIDIA style: ``nvidia.com/gpu`` -> ``nvidia-gpu.sock``."""
+        """The socket file name: ``nvidia.com/gpu`` -> ``gpu-node-agent-nvidia-gpu.sock``.
+
+        Prefixed with the agent's name so that it never takes the socket of NVIDIA's own device
+        plugin (``nvidia-gpu.sock``), which may run beside it during a migration.
+        """
         domain, _, short = self.name.partition("/")
-        return f"{domain.split('.')[0]}-{short}.sock"
+        return f"{SOCKET_PREFIX}{domain.split('.')[0]}-{short}.sock"
 
 
 @dataclass(frozen=True, slots=True)
