@@ -145,3 +145,16 @@ def test_a_file_that_is_not_utf8_is_rejected_not_fatal(tmp_path: Path) -> None:
     path.write_bytes(b"ownership: {default: \xff\xfe}\n")
     assert not watcher.check()
     assert "is not UTF-8 text" in watcher._state.last_error
+
+
+def test_an_emptied_file_is_not_taken_for_all_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("ownership: {default: dra}\n")
+    watcher = _watcher(path)
+    path.write_text("")  # e.g. `cat > config.yaml` caught between truncate and write
+    assert not watcher.check()
+    assert "is empty" in watcher._state.last_error
+    assert watcher._state.config.ownership.default is Owner.DRA
+    path.write_text("{}\n")  # the explicit way back to the defaults
+    assert watcher.check()
+    assert watcher._state.config.ownership.default is Owner.DEVICE_PLUGIN

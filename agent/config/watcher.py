@@ -56,25 +56,41 @@ class ConfigWatcher:
         state: ConfigState,
         validate: Validator,
         resync_interval_s: float = 30.0,
+        settle_s: float = 0.1,
     ) -> None:
         self._path = path
         self._overrides = dict(overrides)
         self._state = state
         self._validate = validate
         self._resync_interval_s = resync_interval_s
+        self._settle_s = settle_s
         # the bytes the running config was parsed from: an update that landed while the agent
         # was starting (after that parse, before this watcher existed) is still news
         self._last_bytes_digest = state.loaded.file_digest
         self._candidate_rejected = False
 
     async def run(self) -> None:
-        """Watch until cancelled. Events are the fast path; a slow resync covers missed ones."""
+        """Watch until cancelled. Events are the fast path; a slow resync covers missed ones.
+
+        After an event the watcher waits for the directory to be quiet for ``settle_s`` before
+        reading, so a file written in several steps (an editor, ``cat > file``) is read whole.
+        ConfigMap updates are atomic and lose only that moment.
+        """
         async with DirectoryWatcher(self._path.parent) as watcher:
             while True:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self._resync_interval_s):
                         await anext(watcher)
+                        await self._settle(watcher)
                 self.check()
+
+    async def _settle(self, watcher: DirectoryWatcher) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(self._settle_s):
+                    await anext(watcher)
+            except TimeoutError:
+                return
 
     def check(self) -> bool:
         """Re-read the file if its bytes changed; returns whether a new config was installed."""
@@ -91,6 +107,9 @@ class ConfigWatcher:
         try:
             if unreadable is not None:
                 raise unreadable
+            if not data.strip():
+                # almost always a write caught half-way; "all defaults" would flip every owner
+                raise ConfigError(f"config file {self._path} is empty (write '{{}}' to go back to the defaults)")
             candidate = self._load(data, digest)
             self._validate(candidate)
         except ConfigError as exc:
