@@ -104,7 +104,7 @@ def run(
     host_driver_root: Annotated[
         Path | None, typer.Option(help="Where the host's container runtime sees the driver root (CDI specs).")
     ] = None,
-    debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9400).")] = None,
+    debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9477).")] = None,
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: in-cluster).")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
 ) -> None:

@@ -13,7 +13,7 @@ def test_empty_document_gives_defaults() -> None:
     config = build_config({})
     assert config.backend == "auto"
     assert config.ownership.default is Owner.DEVICE_PLUGIN
-    assert config.debug_addr == "127.0.0.1:9400"
+    assert config.debug_addr == "127.0.0.1:9477"
     assert config.paths.kubelet_root == Path("/var/lib/kubelet")
     for xid in APPLICATION_XIDS:
         assert config.health.xids[xid].action == "ignore"
@@ -65,7 +65,7 @@ def test_full_ownership_shape() -> None:
         ({"plugin": {"device_list_strategy": ["envvar", "envvar"]}}, "plugin.device_list_strategy: duplicate"),
         ({"plugin": {"device_list_strategy": ["magic"]}}, "plugin.device_list_strategy[0]: expected one of"),
         ({"paths": {"kubelet_root": "relative/dir"}}, "paths.kubelet_root: must be an absolute path"),
-        ({"debug_addr": "9400"}, "debug_addr: expected HOST:PORT, got '9400'"),
+        ({"debug_addr": "9477"}, "debug_addr: expected HOST:PORT, got '9477'"),
         ({"backend": "cuda"}, "backend: expected one of 'auto' | 'nvml' | 'simulated', got 'cuda'"),
         ({"cdi": {"device_plugin_kind": "nokind"}}, "cdi.device_plugin_kind: 'nokind' is not a valid CDI kind"),
         ({"cdi": {"claim_kind": "example.com/claim.v1"}}, "cdi.claim_kind: 'example.com/claim.v1': the class part"),

@@ -71,11 +71,11 @@ def test_flags_keep_winning_after_reload(tmp_path: Path) -> None:
 
 
 def test_restart_only_fields_keep_running_values() -> None:
-    old = build_config({"debug_addr": "127.0.0.1:9400", "paths": {"cdi_root": "/a"}})
+    old = build_config({"debug_addr": "127.0.0.1:9477", "paths": {"cdi_root": "/a"}})
     new = build_config({"debug_addr": "127.0.0.1:9500", "paths": {"cdi_root": "/b"}, "ownership": {"default": "dra"}})
     merged, changed = keep_restart_only(old, new)
     assert changed == ["debug_addr", "paths"]
-    assert merged.debug_addr == "127.0.0.1:9400" and str(merged.paths.cdi_root) == "/a"
+    assert merged.debug_addr == "127.0.0.1:9477" and str(merged.paths.cdi_root) == "/a"
     assert merged.ownership.default is Owner.DRA
 
 

@@ -42,7 +42,7 @@ scalars = st.one_of(
             "fatal",
             "ignore",
             "count 3 within 60s",
-            "127.0.0.1:9400",
+            "127.0.0.1:9477",
             "/abs/path",
             "nvidia.com/gpu",
             "envvar",

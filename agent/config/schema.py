@@ -168,7 +168,7 @@ class Config:
     preset: str = "h100-8x-nvlink"
     node_name: str = ""
     node_labels: dict[str, str] = field(default_factory=dict)
-    debug_addr: str = "127.0.0.1:9400"
+    debug_addr: str = "127.0.0.1:9477"
     kubeconfig: str = ""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # how often the backend is re-read to notice MIG reconfiguration, lost GPUs, driver upgrades

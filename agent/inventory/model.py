@@ -81,6 +81,11 @@ class Gpu:
     numa_node: int | None
     mig_enabled: bool = False
     mig_devices: tuple[MigDevice, ...] = ()
+    #: NVML's brand (``nvmlDeviceGetBrand``) as NVIDIA's DRA driver names it, e.g. "Nvidia", "Tesla"
+    brand: str = ""
+    #: the PCIe root complex the GPU hangs off, as ``resource.kubernetes.io/pcieRoot`` spells it
+    #: (e.g. "pci0000:00"); None when unknown
+    pcie_root: str | None = None
 
     @property
     def short_bus_id(self) -> str:
