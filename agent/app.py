@@ -315,7 +315,7 @@ async def run_agent(
                 health=health,
                 ownership=ownership,
                 cdi=cdi,
-                kubelet_root=config.paths.kubelet_root,
+                plugin_dir=config.device_plugins_dir,
                 registry=registry,
             )
         agent = Agent(

@@ -97,7 +97,13 @@ def run(
     simulated: SimulatedOpt = False,
     preset: PresetOpt = None,
     node_name: NodeNameOpt = None,
-    kubelet_root: Annotated[Path | None, typer.Option(help="Kubelet root directory.")] = None,
+    kubelet_root: Annotated[
+        Path | None, typer.Option(help="The kubelet's --root-dir (plugins_registry, plugins, pod-resources).")
+    ] = None,
+    device_plugins_dir: Annotated[
+        Path | None,
+        typer.Option(help="The kubelet's device-plugins directory (default <kubelet-root>/device-plugins)."),
+    ] = None,
     cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.")] = None,
     state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.")] = None,
     driver_root: Annotated[Path | None, typer.Option(help="Where the NVIDIA driver's files live.")] = None,
@@ -117,6 +123,7 @@ def run(
         preset=preset,
         node_name=node_name,
         paths__kubelet_root=kubelet_root,
+        paths__device_plugins_dir=device_plugins_dir,
         paths__cdi_root=cdi_root,
         paths__state_dir=state_dir,
         paths__driver_root=driver_root,

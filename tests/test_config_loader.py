@@ -19,6 +19,22 @@ def test_empty_document_gives_defaults() -> None:
         assert config.health.xids[xid].action == "ignore"
 
 
+def test_kubelet_directories_default_to_a_stock_kubelet_and_split_when_told() -> None:
+    config = build_config({})
+    assert config.device_plugins_dir == Path("/var/lib/kubelet/device-plugins")
+    assert config.dra.driver_name == "gpu-node-agent.nvidia.com"
+    assert config.dra_plugin_dir == Path("/var/lib/kubelet/plugins/gpu-node-agent.nvidia.com")
+    assert config.state_dir == config.dra_plugin_dir
+    # a kubelet with --root-dir=/data/kubelet still serves device plugins under /var/lib/kubelet
+    moved = build_config(
+        {"paths": {"kubelet_root": "/data/kubelet", "device_plugins_dir": "/var/lib/kubelet/device-plugins"}},
+        {"dra.driver_name": "gpu.example.com", "paths.state_dir": "/var/lib/agent"},
+    )
+    assert moved.device_plugins_dir == Path("/var/lib/kubelet/device-plugins")
+    assert moved.dra_plugin_dir == Path("/data/kubelet/plugins/gpu.example.com")
+    assert moved.state_dir == Path("/var/lib/agent")
+
+
 def test_xid_rules_merge_over_defaults() -> None:
     config = build_config({"health": {"xids": {79: "fatal", "94": "count 3 within 2m", 13: "fatal"}}})
     assert config.health.xids[79] == XidRule(action="fatal")
@@ -70,6 +86,9 @@ def test_full_ownership_shape() -> None:
         ({"cdi": {"device_plugin_kind": "nokind"}}, "cdi.device_plugin_kind: 'nokind' is not a valid CDI kind"),
         ({"cdi": {"claim_kind": "example.com/claim.v1"}}, "cdi.claim_kind: 'example.com/claim.v1': the class part"),
         ({"health": {"enabled": "perhaps"}}, "health.enabled: expected true or false, got 'perhaps'"),
+        ({"dra": {"driver_name": "Not_A_Driver"}}, "dra.driver_name: 'Not_A_Driver' is not a valid DRA driver name"),
+        ({"dra": {"driver_name": "a" * 64 + ".com"}}, "is not a valid DRA driver name"),
+        ({"paths": {"device_plugins_dir": "dp"}}, "paths.device_plugins_dir: must be an absolute path"),
     ],
 )
 def test_bad_documents_name_the_field(document: dict[str, object], message: str) -> None:

@@ -252,7 +252,7 @@ async def plugin_harness(
             health=health,
             ownership=ownership,
             cdi=cdi,
-            kubelet_root=root,
+            plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,  # retries in tens of milliseconds
         )
         harness = PluginHarness(root, backend, inventory, health, ownership, config_state, cdi, kubelet, manager)

@@ -406,7 +406,7 @@ async def test_nothing_to_serve_is_ready_with_zero_servers() -> None:
             health=HealthMonitor(config=HealthConfig()),
             ownership=OwnershipState(),
             cdi=FakeCdi(),
-            kubelet_root=root,
+            plugin_dir=root / "device-plugins",
         )
         assert not manager.ready  # not before run()
         task = asyncio.create_task(manager.run())
@@ -462,7 +462,7 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
             health=health,
             ownership=OwnershipState(ownership_for(inventory)),
             cdi=FakeCdi(),
-            kubelet_root=root,
+            plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,
         )
         task = asyncio.create_task(manager.run())

@@ -225,7 +225,7 @@ async def test_update_before_run_plans_from_the_newest_inventory() -> None:
             health=HealthMonitor(config=HealthConfig()),
             ownership=OwnershipState(),
             cdi=FakeCdi(),
-            kubelet_root=root,
+            plugin_dir=root / "device-plugins",
         )
         manager.update_inventory(Inventory.empty("simulated"))
         task = asyncio.create_task(manager.run())

@@ -38,6 +38,7 @@ ENV_FIELDS: dict[str, str] = {
     "KUBECONFIG": "kubeconfig",
     "LOG_LEVEL": "log_level",
     "KUBELET_ROOT": "paths.kubelet_root",
+    "DEVICE_PLUGINS_DIR": "paths.device_plugins_dir",
     "CDI_ROOT": "paths.cdi_root",
     "STATE_DIR": "paths.state_dir",
     "DRIVER_ROOT": "paths.driver_root",
@@ -180,6 +181,15 @@ def check_extended_resource_name(name: str, where: str) -> None:
         )
 
 
+def check_driver_name(name: str, where: str) -> None:
+    """The apiserver's rule for a DRA driver name: a lowercase DNS subdomain of at most 63 characters."""
+    if len(name) > 63 or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise ConfigError(
+            f"{where}: {name!r} is not a valid DRA driver name (a lowercase DNS subdomain of at most 63 "
+            "characters, e.g. gpu-node-agent.nvidia.com)"
+        )
+
+
 def check_cdi_kind(kind: str, where: str) -> None:
     vendor, sep, klass = kind.partition("/")
     if not sep or not _CDI_VENDOR_CLASS.fullmatch(vendor) or not _CDI_VENDOR_CLASS.fullmatch(klass):
@@ -205,7 +215,7 @@ def check_semantics(config: Config) -> None:
 
     parse_host_port(config.debug_addr, "debug_addr")
     positive(config.inventory_refresh_s, "inventory_refresh_s")
-    for name in ("kubelet_root", "cdi_root", "state_dir", "driver_root", "host_driver_root"):
+    for name in ("kubelet_root", "device_plugins_dir", "cdi_root", "state_dir", "driver_root", "host_driver_root"):
         path = getattr(config.paths, name)
         if path is not None and not path.is_absolute():
             raise ConfigError(f"paths.{name}: must be an absolute path, got {str(path)!r}")
@@ -230,6 +240,7 @@ def check_semantics(config: Config) -> None:
         raise ConfigError(
             f"plugin.time_slicing.replicas: at most {MAX_REPLICAS}, got {config.plugin.time_slicing.replicas}"
         )
+    check_driver_name(config.dra.driver_name, "dra.driver_name")
     check_cdi_kind(config.cdi.device_plugin_kind, "cdi.device_plugin_kind")
     check_cdi_kind(config.cdi.claim_kind, "cdi.claim_kind")
     positive(config.cdi.reconcile_interval_s, "cdi.reconcile_interval_s")

@@ -28,11 +28,21 @@ class Owner(StrEnum):
 BackendName = Literal["auto", "nvml", "simulated"]
 
 
+#: the DRA driver name by default: this project's own, never NVIDIA's DRA driver's ``gpu.nvidia.com``
+DEFAULT_DRA_DRIVER = "gpu-node-agent.nvidia.com"
+
+
 @dataclass(frozen=True, slots=True)
 class PathsConfig:
+    # the kubelet's --root-dir: plugins_registry/, plugins/<driver>/ and pod-resources/ live here
     kubelet_root: Path = Path("/var/lib/kubelet")
+    # where the kubelet serves device plugins; a real kubelet uses /var/lib/kubelet/device-plugins
+    # whatever its --root-dir says. Unset: <kubelet_root>/device-plugins (right for a stock kubelet)
+    device_plugins_dir: Path | None = None
     cdi_root: Path = Path("/var/run/cdi")
-    state_dir: Path = Path("/var/lib/gpu-node-agent")
+    # the agent's own state (the DRA checkpoint); unset: the DRA plugin's data directory,
+    # <kubelet_root>/plugins/<dra.driver_name>
+    state_dir: Path | None = None
     # where the NVIDIA driver's files live: "/" or e.g. /run/nvidia/driver (driver container)
     driver_root: Path = Path("/")
     # where the host's container runtime sees driver_root (CDI specs name host paths), e.g.
@@ -162,6 +172,16 @@ class CdiConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DraConfig:
+    """The DRA kubelet plugin and its ResourceSlices (agent/dra)."""
+
+    # serve GPUs owned by ``dra`` through the kubelet's DRA plugin API and ResourceSlices
+    enabled: bool = True
+    # spec.driver of the ResourceSlices, the plugin's registration name and its data directory
+    driver_name: str = DEFAULT_DRA_DRIVER
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     backend: BackendName = "auto"
     # simulated node: a preset name or a YAML file
@@ -177,7 +197,23 @@ class Config:
     health: HealthConfig = HealthConfig()
     ownership: OwnershipConfig = OwnershipConfig()
     plugin: PluginConfig = PluginConfig()
+    dra: DraConfig = DraConfig()
     cdi: CdiConfig = CdiConfig()
+
+    @property
+    def device_plugins_dir(self) -> Path:
+        """Where the kubelet's ``kubelet.sock`` and the device-plugin sockets live."""
+        return self.paths.device_plugins_dir or self.paths.kubelet_root / "device-plugins"
+
+    @property
+    def dra_plugin_dir(self) -> Path:
+        """The DRA plugin's data directory (its socket lives here): ``plugins/<driver>``."""
+        return self.paths.kubelet_root / "plugins" / self.dra.driver_name
+
+    @property
+    def state_dir(self) -> Path:
+        """Where the agent keeps its own state (the DRA checkpoint)."""
+        return self.paths.state_dir or self.dra_plugin_dir
 
 
 #: fields that only take effect when the agent starts; a live reload keeps their old values
@@ -188,5 +224,6 @@ RESTART_ONLY_FIELDS = (
     "debug_addr",
     "kubeconfig",
     "paths",
+    "dra",
     "cdi",
 )

@@ -9,7 +9,7 @@ the agent's TaskGroup. ``run`` serves until cancelled:
   a config change replaces every server, an inventory change keeps each server whose resource
   name stays (still registered; its ListAndWatch streams get the new list). Servers that go
   stop and remove their sockets before new ones serve and Register;
-* ``<kubelet_root>/device-plugins`` is watched (inotify, :mod:`agent.fswatch`): a new
+* the kubelet's ``device-plugins`` directory is watched (inotify, :mod:`agent.fswatch`): a new
   ``kubelet.sock`` (new inode) restarts every server, and a server whose own socket file was
   deleted or replaced restarts alone; each restart is stop -> serve -> Register;
 * health and ownership changes make every open ListAndWatch stream send the new list at once.
@@ -48,8 +48,6 @@ from agent.plugin.service import ResourceService
 
 log = structlog.get_logger("agent.plugin")
 
-DEVICE_PLUGINS_DIR = "device-plugins"
-
 
 class PluginManager:
     def __init__(
@@ -60,7 +58,7 @@ class PluginManager:
         health: HealthMonitor,
         ownership: OwnershipState,
         cdi: CdiNames,
-        kubelet_root: Path,
+        plugin_dir: Path,
         registry: CollectorRegistry | None = None,
         backoff: Backoff = DEFAULT_BACKOFF,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
@@ -72,7 +70,7 @@ class PluginManager:
         self._health = health
         self._ownership = ownership
         self._cdi = cdi
-        self.plugin_dir = kubelet_root / DEVICE_PLUGINS_DIR
+        self.plugin_dir = plugin_dir
         self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET
         self._metrics = PluginMetrics(registry)
         self._backoff = backoff
