@@ -1,8 +1,14 @@
 """The composition root: builds every component once and runs them as tasks of one loop.
 
 Startup order (undone in reverse by the exit stack):
-  config -> backend + inventory -> health monitor -> ownership table -> CDI base spec
-  -> debug endpoint -> device-plugin servers (serve, then register) -> ready.
+  config -> backend + inventory -> health monitor -> ownership table -> CDI service
+  -> mechanisms (built, not yet serving) -> debug endpoint -> root tasks.
+
+The debug endpoint listens before anything that talks to the API server or the kubelet, so
+liveness and readiness answer at once whatever those peers do. Among the root tasks, the
+mechanisms (device plugin; DRA) start serving only once the node's labels are known when the
+ownership rules match on labels: advertising a GPU under the wrong owner and then taking it
+back would be worse than advertising a moment later.
 
 ``run_agent`` takes ``stop`` and ``ready`` events so that the CLI and the tests start and
 stop the agent the same way. A root task that fails, or returns when it should run
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,9 +31,9 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from agent import __version__
-from agent.cdi.service import CdiService, NullCdiService
+from agent.cdi.service import CdiProvider, create_cdi_service
 from agent.config.loader import LoadedConfig, load_config, parse_host_port
-from agent.config.schema import Config
+from agent.config.schema import Config, OwnershipConfig
 from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
 from agent.debug.metrics import AgentCollector, LoopLagProbe
@@ -37,8 +44,10 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
 from agent.inventory.model import Inventory
-from agent.kube.labels import label_source
+from agent.inventory.state import InventoryState
+from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
 from agent.logs import set_level
+from agent.mechanism import Mechanism, Readiness
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
 from agent.plugin.manager import PluginManager
 
@@ -63,8 +72,18 @@ def resolve_node_name(config: Config) -> str:
     return config.node_name or os.environ.get("NODE_NAME", "") or socket.gethostname()
 
 
+def uses_label_rules(config: OwnershipConfig) -> bool:
+    """Whether any ownership rule matches nodes by label (then the Node's labels matter)."""
+    return any(rule.match.labels for rule in config.nodes)
+
+
 class Agent:
-    """The running agent's components; read by the debug endpoint and by tests."""
+    """The running agent's components; read by the debug endpoint and by tests.
+
+    It owns the derived per-node state: when the inventory, the config or the node's labels
+    change, it updates health tracking and the ownership table first and then publishes the
+    new inventory, so that a consumer woken by a change always reads a consistent picture.
+    """
 
     def __init__(
         self,
@@ -72,29 +91,30 @@ class Agent:
         config_state: ConfigState,
         node_name: str,
         backend: Backend,
-        inventory: Inventory,
+        inventory: InventoryState,
         health: HealthMonitor,
         ownership: OwnershipState,
-        cdi: CdiService | NullCdiService,
-        plugin: PluginManager | None,
+        cdi: CdiProvider,
+        mechanisms: Mapping[str, Mechanism],
         registry: CollectorRegistry,
+        labels: NodeLabelSource | StaticLabelSource | None = None,
     ) -> None:
         self.config_state = config_state
         self.node_name = node_name
         self.backend = backend
-        self.inventory = inventory
+        self.inventories = inventory
         self.health = health
         self.ownership = ownership
         self.cdi = cdi
-        self.plugin = plugin
+        self._mechanisms = dict(mechanisms)
         self.registry = registry
+        self.labels = labels or StaticLabelSource({})
         self.loop_lag = LoopLagProbe()
         self.debug_port = 0
         #: labels read from the Node object; the config's node_labels win over them
         self.api_labels: dict[str, str] = {}
         #: set when a config file is watched; re-checked when the node changes under it
         self.config_watcher: ConfigWatcher | None = None
-        self._inventory_changed = asyncio.Event()
         registry.register(
             AgentCollector(
                 devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
@@ -103,6 +123,14 @@ class Agent:
 
     # --- views ---------------------------------------------------------------------
 
+    @property
+    def inventory(self) -> Inventory:
+        return self.inventories.current
+
+    @property
+    def mechanisms(self) -> Mapping[str, Mechanism]:
+        return self._mechanisms
+
     def gpu_uuids(self) -> list[str]:
         return [gpu.uuid for gpu in self.inventory.gpus]
 
@@ -110,10 +138,10 @@ class Agent:
     def status(self) -> str:
         return "serving" if self.inventory.gpus else "no devices"
 
-    def compute_ownership(self, loaded: LoadedConfig) -> OwnershipTable:
+    def compute_ownership(self, loaded: LoadedConfig, inventory: Inventory | None = None) -> OwnershipTable:
         config = loaded.config
         return compute_ownership(
-            self.inventory,
+            inventory or self.inventory,
             config.ownership,
             node_name=self.node_name,
             node_labels=self.node_labels(config),
@@ -123,29 +151,40 @@ class Agent:
     def node_labels(self, config: Config) -> dict[str, str]:
         return {**self.api_labels, **config.node_labels}
 
+    def labels_needed(self) -> bool:
+        """Whether ownership depends on labels the agent has not read yet."""
+        return uses_label_rules(self.config_state.config.ownership) and not self.labels.synced.is_set()
+
+    def labels_state(self) -> dict[str, object]:
+        return {
+            "source": "api" if isinstance(self.labels, NodeLabelSource) else "config",
+            "synced": self.labels.synced.is_set(),
+            "last_error": self.labels.last_error,
+        }
+
+    def backend_state(self) -> dict[str, object]:
+        status = getattr(self.backend, "status", None)
+        return dict(status()) if callable(status) else {"name": self.backend.name}
+
     def validate(self, loaded: LoadedConfig) -> None:
         """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
         self.compute_ownership(loaded)
 
-    def readiness(self) -> dict[str, tuple[bool, str]]:
-        """Check name -> (passes, detail), for /readyz and the ``ready`` event."""
+    def readiness(self) -> dict[str, Readiness]:
+        """Check name -> result, for /readyz and the ``ready`` event."""
         checks = {
-            "inventory": (True, f"{len(self.inventory.gpus)} GPUs ({self.inventory.backend})"),
-            "debug": (bool(self.debug_port), "" if self.debug_port else "debug endpoint not listening"),
+            "inventory": Readiness(True, f"{len(self.inventory.gpus)} GPUs ({self.inventory.backend})"),
+            "debug": Readiness(bool(self.debug_port), "" if self.debug_port else "debug endpoint not listening"),
         }
-        if self.plugin is not None:
-            checks["device-plugin"] = self._plugin_readiness(self.plugin)
+        if self.labels_needed():
+            reason = self.labels.last_error or "no answer yet"
+            checks["node-labels"] = Readiness(False, f"waiting for the node's labels from the API server: {reason}")
+            return checks
+        for name, mechanism in self._mechanisms.items():
+            checks[name] = mechanism.readiness()
+        ok, detail = self.cdi.last_pass_ok()
+        checks["cdi"] = Readiness(ok, detail)
         return checks
-
-    @staticmethod
-    def _plugin_readiness(plugin: PluginManager) -> tuple[bool, str]:
-        if plugin.ready:
-            return True, ""
-        if not plugin.kubelet_socket.exists():
-            # no kubelet (yet): nothing is wrong with the agent, and it registers the moment one appears
-            return True, f"waiting for the kubelet: no {plugin.kubelet_socket}"
-        errors = [s.last_error for s in plugin.servers.values() if s.last_error]
-        return False, "device plugin not registered" + (f": {errors[0]}" if errors else "")
 
     def simulated_control(self) -> SimulatedControl | None:
         from agent.inventory.simulated import SimulatedBackend
@@ -155,18 +194,18 @@ class Agent:
     def state(self) -> dict[str, Any]:
         return agent_state(self)
 
+    def owner_counts(self) -> dict[str, int]:
+        return {owner.value: n for owner, n in self.ownership.current.counts().items()}
+
     # --- tasks ---------------------------------------------------------------------
 
     async def follow_config(self) -> None:
-        """Apply accepted config changes: health policy and ownership (the plugin follows itself)."""
+        """Apply accepted config changes: health policy and ownership (mechanisms follow themselves)."""
         with self.config_state.changes.subscribe() as changes:
             async for loaded in changes:
                 set_level(loaded.config.log_level)
                 self.health.update_config(loaded.config.health)
                 self._recompute_ownership(f"config {loaded.version}")
-
-    def owner_counts(self) -> dict[str, int]:
-        return {owner.value: n for owner, n in self.ownership.current.counts().items()}
 
     async def watch_health(self) -> None:
         """Run the backend's health watch, moving it to each new inventory as it arrives.
@@ -174,25 +213,26 @@ class Agent:
         The new watch starts before the old one stops, so the backend's hooks (the simulated
         injection path) never see a moment without a running watch.
         """
-        watch = self._start_watch()
-        try:
-            while True:
-                self._inventory_changed.clear()
-                changed = asyncio.create_task(self._inventory_changed.wait())
-                try:
-                    await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
-                if watch.done():
-                    watch.result()  # a failure propagates; a plain return is caught by the guard
-                    return
-                old, watch = watch, self._start_watch()
-                await asyncio.sleep(0)  # let the new watch take over before the old one ends
-                old.cancel()
-                await asyncio.gather(old, return_exceptions=True)
-        finally:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
+        with self.inventories.changes.subscribe() as changes:
+            watch = self._start_watch()
+            try:
+                while True:
+                    changed = asyncio.create_task(changes.get())
+                    try:
+                        await asyncio.wait({watch, changed}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        changed.cancel()
+                    if watch.done():
+                        watch.result()  # a failure propagates; a plain return is caught by the guard
+                        return
+                    changes.drain()
+                    old, watch = watch, self._start_watch()
+                    await asyncio.sleep(0)  # let the new watch take over before the old one ends
+                    old.cancel()
+                    await asyncio.gather(old, return_exceptions=True)
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
 
     def _start_watch(self) -> asyncio.Task[None]:
         return asyncio.create_task(
@@ -200,7 +240,7 @@ class Agent:
         )
 
     async def refresh_inventory(self) -> None:
-        """Re-read the backend now and then; hand a changed inventory to every consumer."""
+        """Re-read the backend now and then; a changed inventory reaches every consumer."""
         while True:
             await asyncio.sleep(self.config_state.config.inventory_refresh_s)
             try:
@@ -212,6 +252,7 @@ class Agent:
                 self.apply_inventory(inventory)
 
     def apply_inventory(self, inventory: Inventory) -> None:
+        """Install a new inventory: health and ownership first, then the change feed."""
         before = {g.uuid for g in self.inventory.gpus}
         after = {g.uuid for g in inventory.gpus}
         log.info(
@@ -221,14 +262,17 @@ class Agent:
             new=sorted(after - before),
             driver=inventory.driver_version,
         )
-        self.inventory = inventory
         self.health.set_inventory(inventory)
-        self._recompute_ownership("inventory changed")
+        self._recompute_ownership("inventory changed", inventory)
+        self.inventories.update(inventory)
         self._retry_config()
-        self.cdi.update_inventory(inventory)
-        if self.plugin is not None:
-            self.plugin.update_inventory(inventory)
-        self._inventory_changed.set()
+
+    async def follow_labels(self) -> None:
+        """Watch the Node's labels while the node has GPUs (a node without GPUs talks to nobody)."""
+        with self.inventories.changes.subscribe() as changes:
+            while not self.inventory.gpus:
+                await changes.get()
+        await self.labels.watch(self.on_labels)
 
     def on_labels(self, labels: dict[str, str]) -> None:
         """The Node's labels changed (a pool relabelled): ownership rules may now match differently."""
@@ -236,14 +280,22 @@ class Agent:
         self._recompute_ownership("node labels changed")
         self._retry_config()
 
+    async def serve(self, name: str, mechanism: Mechanism) -> None:
+        """Run one mechanism, once ownership can be trusted (labels known when rules use them)."""
+        if self.labels_needed():
+            log.info("waiting for the node's labels before serving", mechanism=name)
+            await self.labels.synced.wait()
+            self._recompute_ownership("node labels known")
+        await mechanism.run()
+
     def _retry_config(self) -> None:
         if self.config_watcher is not None:
             self.config_watcher.retry()
 
-    def _recompute_ownership(self, reason: str) -> None:
+    def _recompute_ownership(self, reason: str, inventory: Inventory | None = None) -> None:
         """Ownership for the current config, inventory and labels; a config that no longer fits is reported."""
         try:
-            table = self.compute_ownership(self.config_state.loaded)
+            table = self.compute_ownership(self.config_state.loaded, inventory)
         except ConfigError as exc:
             self.config_state.reject(str(exc))
             log.error("ownership not recomputed: the config no longer fits this node", reason=reason, error=str(exc))
@@ -271,7 +323,7 @@ async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
 async def _wait_ready(agent: Agent, ready: asyncio.Event) -> None:
     """Set ``ready`` once every readiness check passes; then idle (a root task may not return)."""
     # readiness is a view computed from several components; poll it briefly until it holds
-    while not all(ok for ok, _ in agent.readiness().values()):  # noqa: ASYNC110
+    while not all(check.ok for check in agent.readiness().values()):  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     log.info("agent ready", status=agent.status, gpus=len(agent.inventory.gpus), debug_port=agent.debug_port)
     ready.set()
@@ -296,28 +348,29 @@ async def run_agent(
     async with contextlib.AsyncExitStack() as stack:
         backend = await open_backend(config, node_name=node_name)
         stack.push_async_callback(backend.close)
-        inventory = await backend.load()
-        log.info(
-            "inventory loaded", backend=inventory.backend, gpus=len(inventory.gpus), driver=inventory.driver_version
-        )
+        first = await backend.load()
+        log.info("inventory loaded", backend=first.backend, gpus=len(first.gpus), driver=first.driver_version)
 
+        inventory = InventoryState(first)
         config_state = ConfigState(loaded)
         health = HealthMonitor(config=config.health)
-        health.set_inventory(inventory)
+        health.set_inventory(first)
         registry = CollectorRegistry(auto_describe=True)
-        cdi = await _start_cdi(config, inventory, registry)
+        cdi = create_cdi_service(config, inventory=inventory, registry=registry)
         ownership = OwnershipState()
-        plugin = None
-        if inventory.gpus:  # plugin.enabled is honoured by the manager's plan, live
-            plugin = PluginManager(
-                config_state=config_state,
-                inventory=inventory,
-                health=health,
-                ownership=ownership,
-                cdi=cdi,
-                plugin_dir=config.device_plugins_dir,
-                registry=registry,
-            )
+        # every mechanism exists on every node: a node whose GPUs appear later (a driver
+        # container that becomes ready) serves them without a restart
+        plugin = PluginManager(
+            config_state=config_state,
+            inventory=inventory,
+            health=health,
+            ownership=ownership,
+            cdi=cdi,
+            plugin_dir=config.device_plugins_dir,
+            registry=registry,
+        )
+        mechanisms: dict[str, Mechanism] = {"device-plugin": plugin}
+        labels = label_source(kubeconfig=config.kubeconfig, node_name=node_name, static_labels={})
         agent = Agent(
             config_state=config_state,
             node_name=node_name,
@@ -326,12 +379,10 @@ async def run_agent(
             health=health,
             ownership=ownership,
             cdi=cdi,
-            plugin=plugin,
+            mechanisms=mechanisms,
             registry=registry,
+            labels=labels,
         )
-        labels = label_source(kubeconfig=config.kubeconfig, node_name=node_name, static_labels={})
-        if inventory.gpus:  # a node without GPUs needs no labels and talks to nobody
-            agent.api_labels = await labels.fetch()
         ownership.update(agent.compute_ownership(loaded))
         log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent.owner_counts())
 
@@ -353,46 +404,19 @@ async def run_agent(
             "loop-lag": agent.loop_lag.run,
             "inventory-refresh": agent.refresh_inventory,
             "cdi-reconcile": cdi.run,
+            "node-labels": agent.follow_labels,
             "ready": lambda: _wait_ready(agent, ready),
         }
+        for name, mechanism in mechanisms.items():
+            roots[name] = functools.partial(agent.serve, name, mechanism)
         if options.config_path is not None:
             watcher = ConfigWatcher(
                 path=options.config_path, overrides=options.overrides, state=config_state, validate=agent.validate
             )
             agent.config_watcher = watcher
             roots["config-watch"] = watcher.run
-        if plugin is not None:
-            roots["device-plugin"] = plugin.run
-        if inventory.gpus:
-            roots["node-labels"] = lambda: labels.watch(agent.on_labels)
         await _supervise(roots, stop)
     log.info("stopped")
-
-
-async def _start_cdi(config: Config, inventory: Inventory, registry: CollectorRegistry) -> CdiService | NullCdiService:
-    """The CDI service with its device-plugin spec written, or the null service.
-
-    A spec that cannot be written at start is not fatal: the reconciler keeps retrying and
-    /debug/state shows why. Simulated GPUs on a node without a driver get env-only specs
-    (the service chooses its driver source, agent/cdi/driversource.py). Specs name driver
-    files under ``paths.host_driver_root``, where the host's runtime sees what the agent
-    sees under ``paths.driver_root``.
-    """
-    if not config.cdi.enabled or not inventory.gpus:
-        return NullCdiService()
-    cdi = CdiService(
-        config=config.cdi,
-        cdi_root=config.paths.cdi_root,
-        driver_root=config.paths.driver_root,
-        host_driver_root=config.paths.host_driver_root,
-        inventory=inventory,
-        registry=registry,
-    )
-    try:
-        await cdi.ensure_device_plugin_spec()
-    except AgentError as exc:
-        log.error("CDI device-plugin spec not written; the reconciler keeps retrying", error=str(exc))
-    return cdi
 
 
 async def _supervise(roots: Mapping[str, Callable[[], Awaitable[None]]], stop: asyncio.Event) -> None:

@@ -31,10 +31,16 @@ class OwnershipTable:
         """The owner of a GPU or MIG device; devices not on the node belong to nobody."""
         return self.owners.get(uuid, Owner.NONE)
 
-    def is_owned_by(self, uuid: str, owner: Owner) -> bool:
+    def granted_to(self, uuid: str, owner: Owner) -> bool:
+        """Whether ``owner`` may advertise and hand out this GPU or MIG device now.
+
+        The one question both mechanisms ask, for every device they list, publish, allocate
+        or prepare; nothing else decides "is this GPU mine".
+        """
         return self.owner_of(uuid) is owner
 
-    def gpus_owned_by(self, owner: Owner) -> frozenset[str]:
+    def gpus_granted_to(self, owner: Owner) -> frozenset[str]:
+        """Physical GPUs (no MIG devices) granted to ``owner``."""
         return frozenset(u for u, o in self.owners.items() if o is owner and u not in self.parents)
 
     def counts(self) -> dict[Owner, int]:

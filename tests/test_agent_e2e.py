@@ -287,3 +287,29 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
         agent.kill()
         api.close()
         await runner.cleanup()
+
+
+async def test_an_api_server_that_never_answers_holds_serving_but_not_the_probes(tmp_path: Path) -> None:
+    """Liveness and readiness answer at once; GPUs are not advertised under unknown labels."""
+    from tests.test_kube_labels import NODE, _kubeconfig
+
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
+    port = silent.sockets[0].getsockname()[1]
+    config = tmp_path / "config.yaml"
+    config.write_text(LABEL_CONFIG.replace("plugin: {enabled: false}", "plugin: {enabled: true}"))
+    kubeconfig = _kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"})
+    agent = AgentProcess(
+        tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
+    )
+    try:
+        await asyncio.to_thread(agent.wait_port)
+        assert (await asyncio.to_thread(agent.get, "/healthz"))[0] == 200
+        status, body = await asyncio.to_thread(agent.get, "/readyz")
+        assert status == 503
+        assert body["checks"]["node-labels"].startswith("waiting for the node's labels from the API server")
+        sockets = [p.name for p in (agent.kubelet_root / "device-plugins").iterdir()]
+        assert sockets == []  # nothing served while the owner of each GPU is unknown
+        assert (await asyncio.to_thread(agent.terminate))[0] == 0
+    finally:
+        agent.kill()
+        silent.close()

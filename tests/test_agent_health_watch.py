@@ -15,6 +15,7 @@ from agent.config.schema import HealthConfig
 from agent.config.state import ConfigState
 from agent.health.monitor import HealthMonitor
 from agent.inventory.simulated import SimulatedBackend
+from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
 
 
@@ -28,11 +29,11 @@ async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() 
         config_state=ConfigState(load_config(None)),
         node_name="n",
         backend=backend,
-        inventory=inventory,
+        inventory=InventoryState(inventory),
         health=monitor,
         ownership=OwnershipState(),
         cdi=NullCdiService(),
-        plugin=None,
+        mechanisms={},
         registry=CollectorRegistry(),
     )
     task = asyncio.create_task(agent.watch_health())

@@ -28,6 +28,7 @@ import pytest
 
 from agent.cdi.service import CdiService
 from agent.config.schema import CdiConfig
+from agent.inventory.state import InventoryState
 from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
 
 pytestmark = pytest.mark.podman
@@ -151,7 +152,7 @@ async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Pa
         config=CdiConfig(),
         cdi_root=cdi_dir,
         driver_root=driver.root,
-        inventory=inventory(2),
+        inventory=InventoryState(inventory(2)),
         hook_candidates=[fake_hook(tmp_path / "hook", hook_log)],
     )
     await service.ensure_device_plugin_spec()
@@ -192,7 +193,7 @@ async def test_podman_runs_simulated_devices(podman: Podman, tmp_path: Path) -> 
     empty_root.mkdir()
     cdi_dir = tmp_path / "cdi"
     inv = inventory(2)
-    service = CdiService(config=CdiConfig(), cdi_root=cdi_dir, driver_root=empty_root, inventory=inv)
+    service = CdiService(config=CdiConfig(), cdi_root=cdi_dir, driver_root=empty_root, inventory=InventoryState(inv))
     await service.ensure_device_plugin_spec()
     g0, g1 = inv.gpus
     claim = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000002", [g0.uuid])
@@ -251,7 +252,7 @@ async def test_podman_runs_devices_when_the_agent_sees_the_driver_elsewhere(podm
         cdi_root=cdi_dir,
         driver_root=pod_view,
         host_driver_root=driver.root,
-        inventory=inventory(2),
+        inventory=InventoryState(inventory(2)),
         hook_candidates=[],
     )
     await service.ensure_device_plugin_spec()

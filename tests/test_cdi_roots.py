@@ -16,15 +16,15 @@ from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
 import agent.cli
-from agent.app import _start_cdi
 from agent.cdi import generate
 from agent.cdi import spec as s
 from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.roots import RootMapping
-from agent.cdi.service import CdiService
+from agent.cdi.service import CdiService, create_cdi_service
 from agent.config.loader import build_config, env_overrides
 from agent.config.schema import CdiConfig
 from agent.errors import ConfigError
+from agent.inventory.state import InventoryState
 from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory, mig, node_numbers
 
 KIND = "k8s.gpu-node-agent.nvidia.com/gpu"
@@ -223,7 +223,7 @@ async def test_service_writes_host_paths_and_reconciles_without_drift(
         cdi_root=tmp_path / "cdi",
         driver_root=driver.root,
         host_driver_root=host_root,
-        inventory=inventory(2),
+        inventory=InventoryState(inventory(2)),
         registry=registry,
         hook_candidates=[],
     )
@@ -247,7 +247,7 @@ async def test_service_writes_host_paths_and_reconciles_without_drift(
     assert state["driver_root"] == str(driver.root) and state["host_driver_root"] == str(host_root)
 
 
-async def test_start_cdi_passes_the_host_root(tmp_path: Path, driver: FakeDriver, host_root: Path) -> None:
+async def test_the_node_config_passes_the_host_root(tmp_path: Path, driver: FakeDriver, host_root: Path) -> None:
     config = build_config(
         {
             "paths": {"cdi_root": str(tmp_path / "cdi"), "driver_root": str(driver.root)},
@@ -255,7 +255,9 @@ async def test_start_cdi_passes_the_host_root(tmp_path: Path, driver: FakeDriver
         },
         {"paths.host_driver_root": str(host_root)},
     )
-    cdi = await _start_cdi(config, inventory(2), CollectorRegistry())
+    cdi = create_cdi_service(config, inventory=InventoryState(inventory(2)), registry=CollectorRegistry())
+    assert isinstance(cdi, CdiService)
+    await cdi.ensure_device_plugin_spec()
     spec = s.loads((tmp_path / "cdi" / DP_FILE).read_text())
     assert all(p.startswith(f"{host_root}/") for p in host_paths(spec))
     assert {h.path for h in spec.container_edits.hooks} == {str(HOOK_ON_HOST)}

@@ -11,9 +11,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.cdi import spec as s
-from agent.cdi.errors import DriverDiscoveryError, InvalidNameError, UnknownCdiDeviceError
+from agent.cdi.errors import CdiError, DriverDiscoveryError, InvalidNameError, UnknownCdiDeviceError
 from agent.cdi.service import CdiService, NullCdiService, create_cdi_service
+from agent.config.loader import build_config
 from agent.config.schema import CdiConfig
+from agent.inventory.state import InventoryState
 from tests.cdi_fixtures import LIB_DIR, NEW_VERSION, VERSION, FakeDriver, inventory, mig
 
 DP_FILE = "k8s.gpu-node-agent.nvidia.com-gpu.json"
@@ -38,7 +40,7 @@ def make_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
         config=CdiConfig(reconcile_interval_s=PERIOD),
         cdi_root=tmp_path / "cdi",
         driver_root=driver.root,
-        inventory=inventory(n_gpus),
+        inventory=InventoryState(inventory(n_gpus)),
         registry=registry,
         hook_candidates=[],
     )
@@ -80,7 +82,10 @@ async def test_ensure_writes_the_device_plugin_spec(
 
 async def test_node_without_gpus_writes_nothing(tmp_path: Path, registry: CollectorRegistry) -> None:
     service = CdiService(
-        config=CdiConfig(), cdi_root=tmp_path / "cdi", driver_root=tmp_path / "no-driver", inventory=inventory(0)
+        config=CdiConfig(),
+        cdi_root=tmp_path / "cdi",
+        driver_root=tmp_path / "no-driver",
+        inventory=InventoryState(inventory(0)),
     )
     await service.ensure_device_plugin_spec()
     report = await service.reconcile_once()
@@ -245,7 +250,7 @@ async def test_deleted_spec_is_back_long_before_the_period(
         config=CdiConfig(reconcile_interval_s=3600),
         cdi_root=tmp_path / "cdi",
         driver_root=driver.root,
-        inventory=inventory(2),
+        inventory=InventoryState(inventory(2)),
         registry=registry,
         hook_candidates=[],
     )
@@ -274,11 +279,11 @@ async def test_corrupt_is_reported_as_such(service: CdiService, tmp_path: Path) 
 async def test_inventory_change_removes_gone_devices(service: CdiService, tmp_path: Path) -> None:
     task = asyncio.create_task(service.run())
     try:
-        service.update_inventory(inventory(1))  # wakes the loop at once
+        service.inventories.update(inventory(1))  # wakes the loop at once
         await wait_for(lambda: "1" not in load(tmp_path / "cdi" / DP_FILE).device_names, within=SLACK)
         with pytest.raises(UnknownCdiDeviceError):
             service.device_name(inventory(2).gpus[1].uuid)
-        service.update_inventory(inventory(0))
+        service.inventories.update(inventory(0))
         await wait_for(lambda: not (tmp_path / "cdi" / DP_FILE).exists(), within=SLACK)
     finally:
         task.cancel()
@@ -288,7 +293,7 @@ async def test_inventory_change_removes_gone_devices(service: CdiService, tmp_pa
 
 async def test_mig_reconfiguration(service: CdiService, tmp_path: Path) -> None:
     with_mig = inventory(2, migs={1: (mig(1, 0, 21, 22),)})
-    service.update_inventory(with_mig)
+    service.inventories.update(with_mig)
     await service.reconcile_once()
     assert "1:0" in load(tmp_path / "cdi" / DP_FILE).device_names
     assert service.index_device_name("1:0") == "k8s.gpu-node-agent.nvidia.com/gpu=1:0"
@@ -323,13 +328,15 @@ async def test_debug_state_and_metrics(tmp_path: Path, driver: FakeDriver, regis
 
 
 async def test_null_service() -> None:
-    null = create_cdi_service(
-        config=CdiConfig(enabled=False), cdi_root=Path("/nonexistent"), driver_root=Path("/"), inventory=inventory(1)
-    )
+    config = build_config({"cdi": {"enabled": False}, "paths": {"cdi_root": "/nonexistent"}})
+    null = create_cdi_service(config, inventory=InventoryState(inventory(1)))
     assert isinstance(null, NullCdiService)
     await null.ensure_device_plugin_spec()
-    assert await null.prepare_claim(UID, ["x"]) == []
+    # a claim prepared without CDI would start its containers without their GPUs: refused, clearly
+    with pytest.raises(CdiError, match=r"CDI is disabled \(cdi.enabled: false\)"):
+        await null.prepare_claim(UID, ["x"])
     await null.unprepare_claim(UID)
+    assert null.last_pass_ok() == (True, "")
     with pytest.raises(UnknownCdiDeviceError):
         null.device_name(inventory(1).gpus[0].uuid)
     assert null.debug_state() == {"enabled": False}
@@ -348,7 +355,7 @@ async def test_a_skipped_gpu_takes_its_mig_devices_and_all_with_it(tmp_path: Pat
         config=CdiConfig(),
         cdi_root=tmp_path / "cdi",
         driver_root=driver.root,
-        inventory=inv,
+        inventory=InventoryState(inv),
         registry=registry,
         hook_candidates=[],
     )
@@ -369,7 +376,7 @@ async def test_all_names_nothing_when_every_gpu_is_skipped(tmp_path: Path, regis
         config=CdiConfig(),
         cdi_root=tmp_path / "cdi",
         driver_root=driver.root,
-        inventory=inventory(1),
+        inventory=InventoryState(inventory(1)),
         registry=registry,
         hook_candidates=[],
     )

@@ -23,6 +23,7 @@ from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.service import CdiService
 from agent.config.schema import CdiConfig
 from agent.inventory.model import Inventory
+from agent.inventory.state import InventoryState
 from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, inventory, mig
 from tests.test_cdi_service import CLAIM_FILE, DP_FILE, PERIOD, SLACK, UID, load, repairs, wait_for
 
@@ -52,7 +53,7 @@ def make_service(
         config=CdiConfig(reconcile_interval_s=PERIOD),
         cdi_root=tmp_path / "cdi",
         driver_root=driver_root,
-        inventory=inv,
+        inventory=InventoryState(inv),
         registry=registry,
         hook_candidates=[],
     )
@@ -278,11 +279,11 @@ async def test_running_loop_repairs_within_one_period(service: CdiService, tmp_p
 
 
 async def test_inventory_change_follows(service: CdiService, tmp_path: Path) -> None:
-    service.update_inventory(inventory(1))  # MIG devices and GPU 1 gone
+    service.inventories.update(inventory(1))  # MIG devices and GPU 1 gone
     report = await service.reconcile_once()
     assert report.errors == ()
     assert load(tmp_path / "cdi" / DP_FILE).device_names == (inventory(1).gpus[0].uuid, "0", "all")
-    service.update_inventory(inventory(0))
+    service.inventories.update(inventory(0))
     await service.unprepare_claim(UID)
     await service.reconcile_once()
     assert not (tmp_path / "cdi" / DP_FILE).exists() and not (tmp_path / "cdi" / CLAIM_FILE).exists()

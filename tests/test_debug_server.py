@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 from agent.debug.server import DebugContext, build_app, serve_debug
 from agent.errors import AgentError, DeviceNotFoundError, StartupError
 from agent.health.model import Signal, SignalKind
+from agent.mechanism import Readiness
 
 
 class FakeSim:
@@ -25,12 +26,12 @@ class FakeSim:
         return Signal(uuid="GPU-0", kind=kind, xid=xid)
 
 
-def _context(ready: dict[str, tuple[bool, str]] | None = None, sim: FakeSim | None = None) -> DebugContext:
+def _context(ready: dict[str, Readiness] | None = None, sim: FakeSim | None = None) -> DebugContext:
     registry = CollectorRegistry()
     Counter("gpu_agent_example", "example", registry=registry).inc()
     return DebugContext(
         state=lambda: {"devices": [], "config": {"version": "v", "source": "defaults", "last_error": ""}},
-        readiness=lambda: ready if ready is not None else {"inventory": (True, "")},
+        readiness=lambda: ready if ready is not None else {"inventory": Readiness(True)},
         status=lambda: "no devices",
         registry=registry,
         simulated=sim,
@@ -50,7 +51,11 @@ async def test_probes_metrics_and_state(aiohttp_client: Any) -> None:
 
 
 async def test_readyz_reports_failing_checks(aiohttp_client: Any) -> None:
-    checks = {"inventory": (True, ""), "device-plugin": (False, "not registered"), "cdi": (True, "a note")}
+    checks = {
+        "inventory": Readiness(True),
+        "device-plugin": Readiness(False, "not registered"),
+        "cdi": Readiness(True, "a note"),
+    }
     client = await aiohttp_client(build_app(_context(checks)))
     resp = await client.get("/readyz")
     assert resp.status == 503

@@ -85,6 +85,7 @@ class FakeApi:
         return web.json_response(self.node())
 
     async def nodes(self, request: web.Request) -> web.StreamResponse:
+        self.tokens.append(request.headers.get("Authorization", ""))
         name = request.query["fieldSelector"].removeprefix("metadata.name=")
         if request.query.get("watch") == "true":
             return await self._watch(request)

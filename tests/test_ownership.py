@@ -91,8 +91,8 @@ def test_override_for_a_gpu_not_on_the_node_is_an_error(key: str) -> None:
 def test_table_queries() -> None:
     config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"1": "dra"}}]}})
     table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v1")
-    assert table.gpus_owned_by(Owner.DRA) == {"GPU-1"}
-    assert table.gpus_owned_by(Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
+    assert table.gpus_granted_to(Owner.DRA) == {"GPU-1"}
+    assert table.gpus_granted_to(Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
     assert table.counts() == {Owner.DEVICE_PLUGIN: 3, Owner.DRA: 1, Owner.NONE: 0}
     assert table.owner_of("GPU-unknown") is Owner.NONE
     assert table.node_rule == "ownership.nodes[0]"

@@ -30,6 +30,7 @@ from agent.config.state import ConfigState
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
 from agent.inventory.simulated import SimulatedBackend
+from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState, compute_ownership
 from agent.plugin.manager import PluginManager
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
@@ -176,7 +177,7 @@ def ownership_for(inventory: Inventory, gpus: dict[str, Owner] | None = None, ve
 class PluginHarness:
     root: Path
     backend: SimulatedBackend
-    inventory: Inventory
+    inventories: InventoryState
     health: HealthMonitor
     ownership: OwnershipState
     config_state: ConfigState
@@ -189,6 +190,10 @@ class PluginHarness:
     @property
     def plugin_dir(self) -> Path:
         return self.root / "device-plugins"
+
+    @property
+    def inventory(self) -> Inventory:
+        return self.inventories.current
 
     def socket(self, name: str = "gpu-node-agent-nvidia-gpu.sock") -> Path:
         return self.plugin_dir / name
@@ -205,11 +210,10 @@ class PluginHarness:
         return self.ownership.update(ownership_for(self.inventory, gpus, version))
 
     def set_inventory(self, inventory: Inventory, version: str, gpus: dict[str, Owner] | None = None) -> None:
-        """What the agent's inventory reload does: health, then ownership, then the plugin."""
-        self.inventory = inventory
+        """What the agent's inventory reload does: health, then ownership, then the inventory feed."""
         self.health.set_inventory(inventory)
         self.ownership.update(ownership_for(inventory, gpus, version))
-        self.manager.update_inventory(inventory)
+        self.inventories.update(inventory)
 
     def set_plugin_config(self, plugin: PluginConfig, version: str) -> None:
         self.config_state.accept(loaded(replace(self.config_state.config, plugin=plugin), version))
@@ -238,6 +242,7 @@ async def plugin_harness(
     with short_tmpdir() as root:
         backend = SimulatedBackend(preset=PRESET, node_name=NODE, health=FAST_HEALTH)
         inventory = await backend.load()
+        inventories = InventoryState(inventory)
         health = HealthMonitor(config=FAST_HEALTH)
         health.set_inventory(inventory)
         ownership = OwnershipState(ownership_for(inventory))
@@ -248,14 +253,14 @@ async def plugin_harness(
             await kubelet.start()
         manager = PluginManager(
             config_state=config_state,
-            inventory=inventory,
+            inventory=inventories,
             health=health,
             ownership=ownership,
             cdi=cdi,
             plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,  # retries in tens of milliseconds
         )
-        harness = PluginHarness(root, backend, inventory, health, ownership, config_state, cdi, kubelet, manager)
+        harness = PluginHarness(root, backend, inventories, health, ownership, config_state, cdi, kubelet, manager)
         try:
             await harness.start()
             yield harness

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from agent.config.schema import Owner, PluginConfig, TimeSlicingConfig
+from agent.inventory.state import InventoryState
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.test_plugin_fakes import PluginHarness, ids_of, loaded, next_message, plugin_harness, wait_for
@@ -402,7 +403,7 @@ async def test_nothing_to_serve_is_ready_with_zero_servers() -> None:
     with short_tmpdir() as root:
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=Inventory.empty("none"),
+            inventory=InventoryState(Inventory.empty("none")),
             health=HealthMonitor(config=HealthConfig()),
             ownership=OwnershipState(),
             cdi=FakeCdi(),
@@ -458,7 +459,7 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
         health.set_inventory(inventory)
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=inventory,
+            inventory=InventoryState(inventory),
             health=health,
             ownership=OwnershipState(ownership_for(inventory)),
             cdi=FakeCdi(),
@@ -469,6 +470,12 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
         try:
             await wait_for(lambda: manager.servers and manager.servers[GPU].last_error, what="a failed start")
             assert not task.done() and not manager.ready
+            # no kubelet yet, but a server that cannot listen is not "waiting for the kubelet": not ready,
+            # and the kubelet socket's directory being unusable is a reason, not a crash
+            readiness = manager.readiness()
+            assert not readiness.ok and readiness.detail.startswith("device plugin not serving: serve on ")
+            assert "\n" not in readiness.detail
+            assert manager.debug_state()["kubelet_socket_present"] is None
 
             blocker.unlink()  # the kubelet starts: it makes the directory and its socket
             kubelet = FakeKubelet(blocker)

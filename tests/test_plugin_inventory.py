@@ -2,7 +2,7 @@
 
 The changed inventories are the simulated one edited with :func:`dataclasses.replace`, applied
 the way the agent's inventory reload does (:meth:`PluginHarness.set_inventory`: health, then
-ownership, then ``PluginManager.update_inventory``). Everything waits on conditions.
+ownership, then the inventory feed). Everything waits on conditions.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from agent.config.state import ConfigState
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory, Link, MigDevice, PcieLevel, link_key
 from agent.inventory.simulated import SimulatedBackend
+from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
 from agent.plugin.manager import PluginManager
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
@@ -27,10 +28,12 @@ from tests.test_plugin_fakes import (
     NODE,
     PRESET,
     FakeCdi,
+    FakeKubelet,
     PluginHarness,
     ids_of,
     loaded,
     next_message,
+    ownership_for,
     plugin_harness,
     short_tmpdir,
     wait_for,
@@ -218,19 +221,54 @@ async def test_every_gpu_gone_stops_every_server(h: PluginHarness) -> None:
 
 async def test_update_before_run_plans_from_the_newest_inventory() -> None:
     inventory = await SimulatedBackend(preset=PRESET, node_name=NODE, health=HealthConfig()).load()
+    inventories = InventoryState(inventory)
     with short_tmpdir() as root:
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=inventory,
+            inventory=inventories,
             health=HealthMonitor(config=HealthConfig()),
             ownership=OwnershipState(),
             cdi=FakeCdi(),
             plugin_dir=root / "device-plugins",
         )
-        manager.update_inventory(Inventory.empty("simulated"))
+        inventories.update(Inventory.empty("simulated"))
         task = asyncio.create_task(manager.run())
         await wait_for(lambda: manager.ready, what="ready with zero servers")
         assert manager.servers == {} and manager.inventory.gpus == ()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_gpus_that_appear_later_are_served_without_a_restart() -> None:
+    """A driver container becomes ready after the agent: the node goes from no GPUs to eight."""
+    full = await SimulatedBackend(preset=PRESET, node_name=NODE, health=HealthConfig()).load()
+    inventories = InventoryState(Inventory.empty("nvml"))
+    health = HealthMonitor(config=HealthConfig())
+    ownership = OwnershipState()
+    with short_tmpdir() as root:
+        kubelet = FakeKubelet(root / "device-plugins")
+        await kubelet.start()
+        manager = PluginManager(
+            config_state=ConfigState(loaded(Config())),
+            inventory=inventories,
+            health=health,
+            ownership=ownership,
+            cdi=FakeCdi(),
+            plugin_dir=root / "device-plugins",
+        )
+        task = asyncio.create_task(manager.run())
+        try:
+            await wait_for(lambda: manager.ready, what="ready with zero servers")
+            assert kubelet.calls == [] and manager.advertised_gpus() == frozenset()
+            # what the agent does with a new inventory: health and ownership first, then the feed
+            health.set_inventory(full)
+            ownership.update(ownership_for(full))
+            inventories.update(full)
+            await wait_for(lambda: len(kubelet.calls) == 1 and manager.ready, what="registration")
+            assert manager.advertised_gpus() == {g.uuid for g in full.gpus}
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await kubelet.stop()

@@ -8,9 +8,9 @@ Contract for callers:
 * ``prepare_claim`` writes the claim's transient spec before returning its names;
   ``unprepare_claim`` removes it. Both are idempotent and serialised with the reconciler
   by one lock; file I/O runs in worker threads.
-* ``run`` reconciles at start and then every ``reconcile_interval_s`` (sooner after
-  ``update_inventory``), repairing deleted, drifted and orphaned files. It never ends by
-  itself; errors are logged, counted and shown on ``debug_state``, never raised.
+* ``run`` reconciles at start and then every ``reconcile_interval_s`` (at once when the
+  inventory changes or one of its files does), repairing deleted, drifted and orphaned files.
+  It never ends by itself; errors are logged, counted and shown on ``debug_state``, never raised.
 
 Where the device edits come from (the installed driver, or env-only edits for simulated
 GPUs on a node without a driver) is decided once, at construction, by
@@ -35,9 +35,11 @@ from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceErr
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
-from agent.config.schema import CdiConfig
+from agent.config.schema import CdiConfig, Config
+from agent.events import Subscription
 from agent.fswatch import RESCAN, DirectoryWatcher
 from agent.inventory.model import Inventory
+from agent.inventory.state import InventoryState
 
 log = structlog.get_logger("agent.cdi")
 
@@ -60,9 +62,9 @@ class CdiProvider(Protocol):
 
     def set_prepared_claims(self, source: PreparedClaims) -> None: ...
 
-    def update_inventory(self, inventory: Inventory) -> None: ...
-
     async def run(self) -> None: ...
+
+    def last_pass_ok(self) -> tuple[bool, str]: ...
 
     def debug_state(self) -> dict[str, object]: ...
 
@@ -82,13 +84,14 @@ class CdiService:
         config: CdiConfig,
         cdi_root: Path,
         driver_root: Path,
-        inventory: Inventory,
+        inventory: InventoryState,
         registry: CollectorRegistry | None = None,
         host_driver_root: Path | None = None,
         hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
     ) -> None:
         self._config = config
-        self._inventory = inventory
+        #: the inventory this service follows (the agent's; tests update it directly)
+        self.inventories = inventory
         self._cdi_root = cdi_root
         self._driver_root = driver_root
         self._writer = SpecWriter(
@@ -101,7 +104,7 @@ class CdiService:
             hook_candidates=hook_candidates,
         )
         self._host_driver_root = discovery.roots.host_root
-        self._driver = choose_driver_source(inventory.backend, discovery)
+        self._driver = choose_driver_source(inventory.current.backend, discovery)
         self._reconciler = Reconciler(
             writer=self._writer,
             source=self._driver,
@@ -129,11 +132,14 @@ class CdiService:
         )
         self._owned_gauge = Gauge("gpu_agent_cdi_spec_files", "CDI spec files the agent owns", registry=registry)
 
+    def _inventory(self) -> Inventory:
+        return self.inventories.current
+
     # -- names --------------------------------------------------------------------------------
 
     def device_name(self, device_uuid: str) -> str:
         """``vendor/class=name`` of a GPU or MIG device in the device plugin spec."""
-        inv = self._inventory
+        inv = self._inventory()
         if inv.find_mig(device_uuid) is None and not any(g.uuid == device_uuid for g in inv):
             raise UnknownCdiDeviceError(f"device {device_uuid!r} is not on this node")
         return self._checked_name(device_uuid)
@@ -141,9 +147,9 @@ class CdiService:
     def index_device_name(self, index: str) -> str:
         """The same for ``"<gpu index>"`` or ``"<gpu index>:<mig index>"``, or ``"all"``."""
         gpu_index, _, mig_index = index.partition(":")
-        gpu = self._inventory.find(gpu_index) if gpu_index.isdigit() else None
+        gpu = self._inventory().find(gpu_index) if gpu_index.isdigit() else None
         if index == generate.ALL_DEVICES:
-            if not any(g.uuid not in self._skipped for g in self._inventory):
+            if not any(g.uuid not in self._skipped for g in self._inventory()):
                 raise UnknownCdiDeviceError("no device of this node is in the CDI spec, so 'all' names nothing")
             return qualified_name(self._config.device_plugin_kind, index)
         if gpu is None or (mig_index and not any(str(m.index) == mig_index for m in gpu.mig_devices)):
@@ -162,7 +168,7 @@ class CdiService:
     async def ensure_device_plugin_spec(self) -> None:
         """Write (or repair) the device plugin spec now; raises on failure. Idempotent."""
         async with self._lock:
-            await asyncio.to_thread(self._sync_device_plugin, self._inventory)
+            await asyncio.to_thread(self._sync_device_plugin, self._inventory())
 
     def _sync_device_plugin(self, inventory: Inventory) -> None:
         name = spec_file_name(self._config.device_plugin_kind)
@@ -190,7 +196,7 @@ class CdiService:
         if not devices:
             raise CdiError(f"claim {claim_uid}: no devices to prepare")
         async with self._lock:
-            names = await asyncio.to_thread(self._write_claim, claim_uid, tuple(devices), self._inventory)
+            names = await asyncio.to_thread(self._write_claim, claim_uid, tuple(devices), self._inventory())
             self._claims[claim_uid] = tuple(devices)
             self._unprepared.discard(claim_uid)
         return names
@@ -225,15 +231,10 @@ class CdiService:
 
     # -- reconciling ----------------------------------------------------------------------------
 
-    def update_inventory(self, inventory: Inventory) -> None:
-        """A new inventory (MIG change, driver upgrade): the next pass runs at once."""
-        self._inventory = inventory
-        self._kick.set()
-
     async def reconcile_once(self) -> ReconcileReport:
         async with self._lock:
             claims = self.prepared_claims()
-            report = await asyncio.to_thread(self._reconciler.reconcile, self._inventory, claims)
+            report = await asyncio.to_thread(self._reconciler.reconcile, self._inventory(), claims)
             self._skipped = frozenset(s.partition(":")[0] for s in report.skipped)
         self._record(report)
         return report
@@ -256,9 +257,16 @@ class CdiService:
         The interval is the guarantee; the directory watch is the fast path (a spec deleted by
         hand, or a tmpfs emptied, is back within milliseconds instead of at the next tick).
         """
-        async with DirectoryWatcher(self._cdi_root) as watcher, asyncio.TaskGroup() as tg:
-            tg.create_task(self._kick_on_changes(watcher), name="cdi-watch")
-            await self._reconcile_loop()
+        with self.inventories.changes.subscribe() as inventory_changes:
+            async with DirectoryWatcher(self._cdi_root) as watcher, asyncio.TaskGroup() as tg:
+                tg.create_task(self._kick_on_changes(watcher), name="cdi-watch")
+                tg.create_task(self._kick_on_inventory(inventory_changes), name="cdi-watch-inventory")
+                await self._reconcile_loop()
+
+    async def _kick_on_inventory(self, changes: Subscription[Inventory]) -> None:
+        """A new inventory (MIG change, driver upgrade, GPUs found): the next pass runs at once."""
+        async for _ in changes:
+            self._kick.set()
 
     async def _kick_on_changes(self, watcher: DirectoryWatcher) -> None:
         async for names in watcher:
@@ -283,6 +291,14 @@ class CdiService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(interval):
                     await self._kick.wait()
+
+    def last_pass_ok(self) -> tuple[bool, str]:
+        """Whether the last reconcile pass wrote everything it should (False before the first)."""
+        if self._last is None:
+            return False, "CDI specs not reconciled yet"
+        if self._last.errors:
+            return False, "CDI specs cannot be written: " + "; ".join(self._last.errors)
+        return True, ""
 
     def debug_state(self) -> dict[str, object]:
         last = self._last
@@ -318,7 +334,8 @@ class NullCdiService:
         return None
 
     async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
-        return []
+        # a DRA claim prepared without CDI devices would start a container without its GPUs
+        raise CdiError(f"claim {claim_uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
 
     async def unprepare_claim(self, claim_uid: str) -> None:
         return None
@@ -326,33 +343,32 @@ class NullCdiService:
     def set_prepared_claims(self, source: PreparedClaims) -> None:
         return None
 
-    def update_inventory(self, inventory: Inventory) -> None:
-        return None
-
     async def run(self) -> None:
         await asyncio.Event().wait()
+
+    def last_pass_ok(self) -> tuple[bool, str]:
+        return True, ""
 
     def debug_state(self) -> dict[str, object]:
         return {"enabled": False}
 
 
 def create_cdi_service(
-    *,
-    config: CdiConfig,
-    cdi_root: Path,
-    driver_root: Path,
-    inventory: Inventory,
-    registry: CollectorRegistry | None = None,
-    host_driver_root: Path | None = None,
+    config: Config, *, inventory: InventoryState, registry: CollectorRegistry | None = None
 ) -> CdiProvider:
-    """The composition root's one call: the real service, or the null one when disabled."""
-    if not config.enabled:
+    """The composition root's one call: the real service for the node config, or the null one.
+
+    Specs name driver files under ``paths.host_driver_root``, where the host's runtime sees
+    what the agent sees under ``paths.driver_root``. Nothing is written here: the service's
+    first reconcile pass (at start of ``run``) writes the device plugin spec.
+    """
+    if not config.cdi.enabled:
         return NullCdiService()
     return CdiService(
-        config=config,
-        cdi_root=cdi_root,
-        driver_root=driver_root,
+        config=config.cdi,
+        cdi_root=config.paths.cdi_root,
+        driver_root=config.paths.driver_root,
         inventory=inventory,
         registry=registry,
-        host_driver_root=host_driver_root,
+        host_driver_root=config.paths.host_driver_root,
     )

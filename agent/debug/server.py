@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from agent.errors import AgentError, DeviceNotFoundError, StartupError
 from agent.health.model import Signal
+from agent.mechanism import Readiness
 
 log = structlog.get_logger("agent.debug")
 
@@ -31,8 +32,8 @@ class SimulatedControl(Protocol):
 class DebugContext:
     #: JSON-ready snapshot of the agent for /debug/state
     state: Callable[[], dict[str, Any]]
-    #: check name -> (passes, detail); the detail says why not, or notes something worth knowing
-    readiness: Callable[[], dict[str, tuple[bool, str]]]
+    #: check name -> result; the detail says why not, or notes something worth knowing
+    readiness: Callable[[], Mapping[str, Readiness]]
     #: "serving" or "no devices"
     status: Callable[[], str]
     registry: CollectorRegistry
@@ -54,11 +55,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     context = request.app[CONTEXT]
     checks = context.readiness()
-    ready = all(ok for ok, _ in checks.values())
+    ready = all(check.ok for check in checks.values())
     body = {
         "ready": ready,
         "status": context.status(),
-        "checks": {name: detail or ("ok" if ok else "not ready") for name, (ok, detail) in checks.items()},
+        "checks": {name: c.detail or ("ok" if c.ok else "not ready") for name, c in checks.items()},
     }
     return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
 

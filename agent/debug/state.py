@@ -2,65 +2,68 @@
 
 Field names that tools and tests rely on (DESIGN.md): ``devices[].uuid/index/owner/health/mig``
 and ``config.version/source/last_error``; more fields may be added, none removed.
+
+The document is built from an :class:`AgentView`, the read-only face of the running agent;
+mechanisms appear only through :class:`~agent.mechanism.Mechanism`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from agent import __version__
+from agent.cdi.service import CdiProvider
 from agent.config.loader import to_plain
+from agent.config.schema import Config
+from agent.config.state import ConfigState
+from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Gpu
 from agent.inventory.render import topology_map
+from agent.inventory.state import InventoryState
+from agent.mechanism import Mechanism, Usage
+from agent.ownership import OwnershipState
 
-if TYPE_CHECKING:
-    from agent.app import Agent
+
+class AgentView(Protocol):
+    """What the state document reads; :class:`agent.app.Agent` provides it."""
+
+    node_name: str
+    inventories: InventoryState
+    health: HealthMonitor
+    ownership: OwnershipState
+    config_state: ConfigState
+    cdi: CdiProvider
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def mechanisms(self) -> Mapping[str, Mechanism]: ...
+
+    def node_labels(self, config: Config) -> dict[str, str]: ...
+
+    def labels_state(self) -> dict[str, object]: ...
+
+    def backend_state(self) -> dict[str, object]: ...
 
 
-def agent_state(agent: Agent) -> dict[str, Any]:
+def agent_state(agent: AgentView) -> dict[str, Any]:
+    inventory = agent.inventories.current
+    usage = {name: mechanism.usage() for name, mechanism in agent.mechanisms.items()}
+    devices = [_device(agent, gpu, usage) for gpu in inventory.gpus]
     table = agent.ownership.current
-    devices = []
-    for gpu in agent.inventory.gpus:
-        record = agent.health.record(gpu.uuid)
-        devices.append(
-            {
-                "uuid": gpu.uuid,
-                "index": gpu.index,
-                "minor": gpu.minor,
-                "product_name": gpu.product_name,
-                "architecture": gpu.architecture,
-                "compute_capability": gpu.compute_capability,
-                "memory_mib": gpu.memory_mib,
-                "pci_bus_id": gpu.pci_bus_id,
-                "numa_node": gpu.numa_node,
-                "owner": table.owner_of(gpu.uuid).value,
-                "health": agent.health.state(gpu.uuid).value,
-                "health_detail": record.as_dict() if record else None,
-                "mig_enabled": gpu.mig_enabled,
-                "mig": [
-                    {
-                        "uuid": mig.uuid,
-                        "index": mig.index,
-                        "profile": mig.profile,
-                        "gpu_instance_id": mig.gpu_instance_id,
-                        "compute_instance_id": mig.compute_instance_id,
-                        "memory_mib": mig.memory_mib,
-                        "health": agent.health.state(mig.uuid).value,
-                    }
-                    for mig in gpu.mig_devices
-                ],
-            }
-        )
-    topology = topology_map(agent.inventory)
     cs = agent.config_state
-    return {
+    state: dict[str, Any] = {
         "version": __version__,
-        "node": {"name": agent.node_name, "labels": agent.node_labels(cs.config)},
+        "node": {"name": agent.node_name, "labels": agent.node_labels(cs.config), "label_source": agent.labels_state()},
         "status": agent.status,
-        "backend": agent.inventory.backend,
-        "driver_version": agent.inventory.driver_version,
-        "cuda_driver_version": agent.inventory.cuda_driver_version,
+        "backend": inventory.backend,
+        "backend_state": agent.backend_state(),
+        "driver_version": inventory.driver_version,
+        "cuda_driver_version": inventory.cuda_driver_version,
         "devices": devices,
-        "topology": topology,
+        "topology": topology_map(inventory),
         "ownership": {
             "node_rule": table.node_rule,
             "counts": {owner.value: n for owner, n in table.counts().items()},
@@ -73,6 +76,50 @@ def agent_state(agent: Agent) -> dict[str, Any]:
             "rejections": cs.rejections,
             "effective": to_plain(cs.config),
         },
-        "device_plugin": agent.plugin.debug_state() if agent.plugin is not None else {"enabled": False},
+        "mechanisms": {
+            name: {
+                "usage": {"known": u.known, "reason": u.reason},
+                **mechanism.debug_state(),
+            }
+            for (name, mechanism), u in zip(agent.mechanisms.items(), usage.values(), strict=True)
+        },
         "cdi": agent.cdi.debug_state(),
+    }
+    # the device plugin's section under its historical key, for tools written against it
+    if "device-plugin" in state["mechanisms"]:
+        state["device_plugin"] = state["mechanisms"]["device-plugin"]
+    return state
+
+
+def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str, Any]:
+    record = agent.health.record(gpu.uuid)
+    return {
+        "uuid": gpu.uuid,
+        "index": gpu.index,
+        "minor": gpu.minor,
+        "product_name": gpu.product_name,
+        "brand": gpu.brand,
+        "architecture": gpu.architecture,
+        "compute_capability": gpu.compute_capability,
+        "memory_mib": gpu.memory_mib,
+        "pci_bus_id": gpu.pci_bus_id,
+        "pcie_root": gpu.pcie_root,
+        "numa_node": gpu.numa_node,
+        "owner": agent.ownership.current.owner_of(gpu.uuid).value,
+        "health": agent.health.state(gpu.uuid).value,
+        "health_detail": record.as_dict() if record else None,
+        "holders": {name: [h.as_dict() for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known},
+        "mig_enabled": gpu.mig_enabled,
+        "mig": [
+            {
+                "uuid": mig.uuid,
+                "index": mig.index,
+                "profile": mig.profile,
+                "gpu_instance_id": mig.gpu_instance_id,
+                "compute_instance_id": mig.compute_instance_id,
+                "memory_mib": mig.memory_mib,
+                "health": agent.health.state(mig.uuid).value,
+            }
+            for mig in gpu.mig_devices
+        ],
     }

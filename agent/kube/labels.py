@@ -57,6 +57,10 @@ class StaticLabelSource:
 
     def __init__(self, static_labels: Mapping[str, str]) -> None:
         self._labels = dict(static_labels)
+        #: labels are known (here: at once, there is nothing to learn)
+        self.synced = asyncio.Event()
+        self.synced.set()
+        self.last_error = ""
 
     async def fetch(self) -> dict[str, str]:
         return dict(self._labels)
@@ -96,6 +100,8 @@ class NodeLabelSource:
         #: a stream that ends cleanly sooner than this, with no events, counts as a failure
         self._min_watch_s = min_watch_s
         self._api_labels: dict[str, str] = {}
+        #: set once the Node's labels have been read from the API server
+        self.synced = asyncio.Event()
         #: where the watch resumes; "" means list first
         self._resource_version = ""
         #: the current failure streak's error ("" when the last request worked)
@@ -121,6 +127,7 @@ class NodeLabelSource:
             return self.labels
         self._recovered()
         self._api_labels = _labels_of(node)
+        self.synced.set()
         return self.labels
 
     async def watch(self, on_change: OnChange) -> None:
@@ -169,6 +176,7 @@ class NodeLabelSource:
             raise KubeError(f"GET {self._client.server}/api/v1/nodes: node {self.node_name!r} not found", status=404)
         self.relists += 1
         self._apply(_labels_of(items[0]), on_change)
+        self.synced.set()
         metadata = body.get("metadata")
         version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
         self._resource_version = str(version or _resource_version(items[0]))

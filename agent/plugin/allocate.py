@@ -87,7 +87,7 @@ def resolve_ids(
             ErrorKind.INVALID_ARGUMENT, f"{what} {name}: unknown device IDs {format_ids(unknown)}", tuple(unknown)
         )
     devices = [resource.by_id[i] for i in ids]
-    foreign = [d.id for d in devices if ownership.owner_of(d.gpu_uuid) is not Owner.DEVICE_PLUGIN]
+    foreign = [d.id for d in devices if not ownership.granted_to(d.gpu_uuid, Owner.DEVICE_PLUGIN)]
     if foreign:
         owners = sorted({ownership.owner_of(resource.by_id[i].gpu_uuid).value for i in foreign})
         raise AllocationError(

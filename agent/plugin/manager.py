@@ -5,7 +5,7 @@ the agent's TaskGroup. ``run`` serves until cancelled:
 
 * one :class:`PluginServer` per resource name that the plugin config and the inventory call
   for (:func:`plan_resources`). A change of the ``plugin`` config section or of the inventory
-  (:meth:`PluginManager.update_inventory`) re-plans them through one path, :meth:`_apply_plan`:
+  (the :class:`~agent.inventory.state.InventoryState` feed) re-plans them through one path, :meth:`_apply_plan`:
   a config change replaces every server, an inventory change keeps each server whose resource
   name stays (still registered; its ListAndWatch streams get the new list). Servers that go
   stop and remove their sockets before new ones serve and Register;
@@ -25,12 +25,14 @@ from prometheus_client import CollectorRegistry
 
 from agent.backoff import Backoff
 from agent.config.loader import LoadedConfig
-from agent.config.schema import PluginConfig
+from agent.config.schema import Owner, PluginConfig
 from agent.config.state import ConfigState
 from agent.events import Subscription
 from agent.fswatch import RESCAN, DirectoryWatcher
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
+from agent.inventory.state import InventoryState
+from agent.mechanism import Readiness, Usage
 from agent.ownership import OwnershipState
 from agent.plugin.cdinames import CdiNames
 from agent.plugin.metrics import PluginMetrics
@@ -49,12 +51,27 @@ from agent.plugin.service import ResourceService
 log = structlog.get_logger("agent.plugin")
 
 
+def _socket_present(path: Path) -> bool | str:
+    """Whether ``path`` exists; a reason string when the directory cannot be looked into."""
+    try:
+        path.lstat()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        return f"{path.parent}: {exc.strerror or exc}"
+    return True
+
+
 class PluginManager:
+    """The device plugin mechanism (:class:`agent.mechanism.Mechanism`)."""
+
+    owner = Owner.DEVICE_PLUGIN
+
     def __init__(
         self,
         *,
         config_state: ConfigState,
-        inventory: Inventory,
+        inventory: InventoryState,
         health: HealthMonitor,
         ownership: OwnershipState,
         cdi: CdiNames,
@@ -64,9 +81,9 @@ class PluginManager:
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
     ) -> None:
         self._config_state = config_state
-        #: the inventory the servers' plan was built from, and the newest one handed to us
-        self._inventory = inventory
-        self._latest_inventory = inventory
+        self._inventories = inventory
+        #: the inventory the servers' plan was built from
+        self._inventory = inventory.current
         self._health = health
         self._ownership = ownership
         self._cdi = cdi
@@ -75,7 +92,7 @@ class PluginManager:
         self._metrics = PluginMetrics(registry)
         self._backoff = backoff
         self._timeouts = timeouts
-        self._scorer = TopologyScorer(inventory)
+        self._scorer = TopologyScorer(self._inventory)
         self._config: PluginConfig = config_state.config.plugin
         self._plan = ResourcePlan()
         self._servers: dict[str, PluginServer] = {}
@@ -89,7 +106,7 @@ class PluginManager:
         self.watch_batches = 0
         self.last_watch_names: frozenset[str] = frozenset()
 
-    # --- state for /readyz and /debug/state -------------------------------------------------
+    # --- the Mechanism interface: /readyz, /debug/state, who advertises and uses what ------------
 
     @property
     def ready(self) -> bool:
@@ -100,11 +117,45 @@ class PluginManager:
     def servers(self) -> dict[str, PluginServer]:
         return dict(self._servers)
 
+    def readiness(self) -> Readiness:
+        """Registered everywhere; or serving and waiting for a kubelet that is not there yet.
+
+        A server that cannot listen (no permission, a foreign file in the way) is never ready,
+        kubelet or not: the node would advertise nothing once one comes.
+        """
+        if not self._running:
+            return Readiness(False, "device plugin not started")
+        if self.ready:
+            return Readiness(True)
+        not_serving = [s for s in self._servers.values() if not s.serving]
+        if not_serving:
+            errors = [s.last_error for s in not_serving if s.last_error]
+            return Readiness(False, "device plugin not serving" + (f": {errors[0]}" if errors else ""))
+        present = _socket_present(self.kubelet_socket)
+        if isinstance(present, str):
+            return Readiness(False, f"device plugin cannot look for the kubelet: {present}")
+        if not present:
+            # no kubelet (yet): nothing is wrong with the agent, and it registers the moment one appears
+            return Readiness(True, f"waiting for the kubelet: no {self.kubelet_socket}")
+        errors = [s.last_error for s in self._servers.values() if s.last_error]
+        return Readiness(False, "device plugin not registered" + (f": {errors[0]}" if errors else ""))
+
+    def advertised_gpus(self) -> frozenset[str]:
+        """Physical GPUs some server currently lists to the kubelet."""
+        return frozenset(d.device.gpu_uuid for s in self._servers.values() for d in s.advertised())
+
+    def usage(self) -> Usage:
+        # PodResources tells which containers hold which device IDs; until it is consulted the
+        # plugin cannot tell an idle GPU from a used one, and says so
+        return Usage(known=False, reason="the kubelet's PodResources API is not consulted")
+
     def debug_state(self) -> dict[str, object]:
+        present = _socket_present(self.kubelet_socket)
         return {
             "ready": self.ready,
+            "readiness": self.readiness().detail,
             "plugin_dir": str(self.plugin_dir),
-            "kubelet_socket_present": self.kubelet_socket.exists(),
+            "kubelet_socket_present": present if isinstance(present, bool) else None,
             "watch_mode": self._watch_mode,
             "watch_batches": self.watch_batches,
             "problems": list(self._plan.problems),
@@ -115,17 +166,6 @@ class PluginManager:
     def inventory(self) -> Inventory:
         """The inventory the current servers were planned from."""
         return self._inventory
-
-    def update_inventory(self, inventory: Inventory) -> None:
-        """Re-plan the resources for a new node inventory (MIG reconfigured, GPU gone or added).
-
-        Called by the app's inventory reload on the loop thread, after it has updated health
-        and recomputed ownership, and only when the inventory differs. Returns at once; the
-        plan task applies it (:meth:`_apply_plan`). Before :meth:`run` it only replaces the
-        inventory the first plan is built from.
-        """
-        self._latest_inventory = inventory
-        self._replan.set()
 
     # --- run --------------------------------------------------------------------------------
 
@@ -143,8 +183,11 @@ class PluginManager:
             )
         self._kubelet_inode = _inode(self.kubelet_socket)
         try:
-            # subscribed before the first plan, so no config change slips in between
-            with self._config_state.changes.subscribe() as config_changes:
+            # subscribed before the first plan, so no config or inventory change slips in between
+            with (
+                self._config_state.changes.subscribe() as config_changes,
+                self._inventories.changes.subscribe() as inventory_changes,
+            ):
                 async with DirectoryWatcher(self.plugin_dir) as watcher, asyncio.TaskGroup() as tg:
                     self._watch_mode = watcher.mode
                     await self._apply_plan(tg)
@@ -152,6 +195,7 @@ class PluginManager:
                     tg.create_task(self._watch_plan(tg), name="plugin-watch-plan")
                     tg.create_task(self._watch_files(watcher), name="plugin-watch-files")
                     tg.create_task(self._watch_config(config_changes), name="plugin-watch-config")
+                    tg.create_task(self._watch_inventory(inventory_changes), name="plugin-watch-inventory")
                     tg.create_task(self._watch_health(), name="plugin-watch-health")
                     tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
         finally:
@@ -177,10 +221,10 @@ class PluginManager:
         """
         config = self._config_state.config.plugin
         config_changed = config != self._config
-        inventory = self._latest_inventory
+        inventory = self._inventories.current
         self._config, self._inventory = config, inventory
         if self._scorer.inventory is not inventory:
-            self._scorer = TopologyScorer(inventory)
+            self._scorer = TopologyScorer(self._inventory)
         self._plan = plan_resources(inventory, config)
         for problem in self._plan.problems:
             log.warning("device plugin config cannot be fully honoured", problem=problem)
@@ -266,6 +310,13 @@ class PluginManager:
             if loaded.config.plugin != self._config:
                 log.info("device plugin config changed, rebuilding servers")
                 self._replan.set()
+
+    async def _watch_inventory(self, changes: Subscription[Inventory]) -> None:
+        """A new inventory (MIG reconfigured, GPU gone or added): re-plan the resources."""
+        while True:
+            await changes.get()
+            changes.drain()
+            self._replan.set()
 
     def _notify_all(self) -> None:
         for server in self._servers.values():

@@ -165,7 +165,7 @@ def advertised(resource: Resource, ownership: OwnershipTable, health: HealthLook
     return [
         DeviceState(device=d, healthy=health.is_healthy(d.target_uuid))
         for d in resource.devices
-        if ownership.owner_of(d.gpu_uuid) is Owner.DEVICE_PLUGIN
+        if ownership.granted_to(d.gpu_uuid, Owner.DEVICE_PLUGIN)
     ]
 
 

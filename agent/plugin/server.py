@@ -34,7 +34,7 @@ from agent.backoff import Backoff
 from agent.inventory.model import Inventory
 from agent.plugin.metrics import PluginMetrics
 from agent.plugin.preferred import TopologyScorer
-from agent.plugin.resources import Resource
+from agent.plugin.resources import DeviceState, Resource
 from agent.plugin.service import ResourceService
 from agent.plugin.servicer import DevicePluginServicer
 from agent.sockets import UnixGrpcServer
@@ -135,6 +135,10 @@ class PluginServer:
         if self.service is not None:
             self.service.notify()
             self._update_device_gauge()
+
+    def advertised(self) -> list[DeviceState]:
+        """The devices this server offers the kubelet now (none while it is not serving)."""
+        return self.service.devices() if self.service is not None and self.serving else []
 
     def debug_state(self) -> dict[str, object]:
         devices = self.service.devices() if self.service else []
