@@ -1,0 +1,1 @@
+"""DRA: the kubelet DRA plugin, ResourceSlices and prepared claims for GPUs owned by ``dra``."""
