@@ -72,6 +72,9 @@ class Usage:
     #: physical GPU UUID -> who holds it; GPUs not listed are idle (when ``known``)
     holders: Mapping[str, tuple[Holder, ...]] = field(default_factory=dict)
     reason: str = ""
+    #: monotonic time the observation was made (a PodResources answer is as old as its poll);
+    #: a drain trusts only observations made after the GPU stopped being advertised
+    as_of: float = 0.0
 
     def in_use(self, gpu_uuid: str) -> bool:
         return bool(self.holders.get(gpu_uuid))

@@ -76,15 +76,19 @@ def test_config_check_prints_effective_ownership(tmp_path: Path) -> None:
     assert code == 0 and "cluster default owner: device-plugin" in out
 
 
+def test_config_check_warns_about_inert_overrides(tmp_path: Path) -> None:
+    """An override naming no GPU of the node is inert (a GPU off the bus), shown but not an error."""
+    path = tmp_path / "c.yaml"
+    path.write_text("ownership:\n  nodes: [{match: {names: [n1]}, gpus: {GPU-nope: dra}}]\n")
+    code, out, _ = invoke("config", "check", str(path), "--node-name", "n1", "--simulated")
+    assert code == 0, out
+    assert "warning: ownership.nodes[0].gpus['GPU-nope']: no GPU with that UUID or index on node 'n1'" in out
+
+
 @pytest.mark.parametrize(
     ("text", "args", "message"),
     [
         ("ownership: {default: gpu}\n", [], "ownership.default: expected one of"),
-        (
-            "ownership:\n  nodes: [{match: {names: [n1]}, gpus: {GPU-nope: dra}}]\n",
-            ["--node-name", "n1", "--simulated"],
-            "gpus['GPU-nope']: no GPU with that UUID or index",
-        ),
         ("{}\n", ["--label", "novalue"], "--label: expected KEY=VALUE"),
         ("plugin: {time_slicing: {replicas: '²'}}\n", [], "plugin.time_slicing.replicas: expected an integer"),
         ("node_labels: &x {a: *x}\n", [], "self-referencing YAML aliases"),

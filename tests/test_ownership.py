@@ -4,7 +4,6 @@ import pytest
 
 from agent.config.loader import build_config
 from agent.config.schema import Owner
-from agent.errors import ConfigError
 from agent.inventory.model import Gpu, Inventory, MigDevice
 from agent.ownership import OwnershipState, compute_ownership
 
@@ -82,10 +81,15 @@ def test_node_rule_by_labels_needs_all_labels_and_first_match_wins() -> None:
 
 
 @pytest.mark.parametrize("key", ["GPU-404", "9"])
-def test_override_for_a_gpu_not_on_the_node_is_an_error(key: str) -> None:
-    doc = {"nodes": [{"match": {"names": ["n1"]}, "gpus": {key: "dra"}}]}
-    with pytest.raises(ConfigError, match=rf"ownership.nodes\[0\].gpus\['{key}'\]: no GPU with that UUID or index"):
-        _table(doc)
+def test_override_for_a_gpu_not_on_the_node_is_inert(key: str) -> None:
+    """A GPU that fell off the bus (or a pool rule naming another node's GPU) is not a config error."""
+    config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {key: "dra", "1": "dra"}}]}})
+    table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v")
+    assert table.inert_overrides == (
+        f"ownership.nodes[0].gpus[{key!r}]: no GPU with that UUID or index on node 'n1'; inert until one appears",
+    )
+    assert table.owner_of("GPU-1") is Owner.DRA and table.owner_of("GPU-0") is Owner.DEVICE_PLUGIN
+    assert table.rules["GPU-1"] == "ownership.nodes[0].gpus['1']" and table.rules["GPU-0"] == "cluster default"
 
 
 def test_table_queries() -> None:

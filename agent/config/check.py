@@ -32,4 +32,6 @@ async def describe_ownership(config: Config, *, node_name: str, labels: Mapping[
         lines.append(f"  per GPU on simulated preset {config.preset}:")
         for gpu in inventory.gpus:
             lines.append(f"    {gpu.index}  {gpu.uuid}  {table.owner_of(gpu.uuid).value}")
+        for warning in table.inert_overrides:
+            lines.append(f"  warning: {warning}")
     return "\n".join(lines)

@@ -67,6 +67,8 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
         "ownership": {
             "node_rule": table.node_rule,
             "counts": {owner.value: n for owner, n in table.counts().items()},
+            "draining": table.drain_count(),
+            "inert_overrides": list(agent.ownership.desired.inert_overrides),
         },
         "config": {
             "version": cs.loaded.version,
@@ -91,6 +93,13 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
     return state
 
 
+def _drain(agent: AgentView, uuid: str) -> dict[str, Any] | None:
+    drain = agent.ownership.current.draining.get(uuid)
+    if drain is None:
+        return None
+    return {"from": drain.source.value, "to": drain.target.value, "waiting_for": drain.waiting_for}
+
+
 def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str, Any]:
     record = agent.health.record(gpu.uuid)
     return {
@@ -105,7 +114,10 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
         "pci_bus_id": gpu.pci_bus_id,
         "pcie_root": gpu.pcie_root,
         "numa_node": gpu.numa_node,
-        "owner": agent.ownership.current.owner_of(gpu.uuid).value,
+        "owner": agent.ownership.current.state_of(gpu.uuid),
+        "desired_owner": agent.ownership.desired.owner_of(gpu.uuid).value,
+        "owner_rule": agent.ownership.desired.rules.get(gpu.uuid, ""),
+        "draining": _drain(agent, gpu.uuid),
         "health": agent.health.state(gpu.uuid).value,
         "health_detail": record.as_dict() if record else None,
         "holders": {name: [h.as_dict() for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known},
