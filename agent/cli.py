@@ -15,7 +15,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
 import typer
@@ -25,6 +25,10 @@ from agent.cdi.cli import cdi_app
 from agent.config.loader import build_config, env_overrides, load_config, read_document
 from agent.errors import AgentError, ConfigError
 from agent.logs import configure_logging
+
+if TYPE_CHECKING:
+    from agent.config.schema import Config
+    from agent.inventory.model import Inventory
 
 app = typer.Typer(
     name="gpu-agent",
@@ -208,27 +212,28 @@ def inventory(
     node_name: NodeNameOpt = None,
 ) -> None:
     """Print the devices the backend sees."""
-    from agent.app import resolve_node_name
-    from agent.inventory.factory import open_backend
     from agent.inventory.render import inventory_json, inventory_table
 
     configure_logging("warning")
     overrides = collect_overrides(backend=backend, simulated=simulated, preset=preset, node_name=node_name)
-
-    async def load() -> Any:
-        cfg = load_config(config, overrides).config
-        opened = await open_backend(cfg, node_name=resolve_node_name(cfg))
-        try:
-            return await opened.load()
-        finally:
-            await opened.close()
-
     with user_errors():
-        inv = asyncio.run(load())
+        inv = asyncio.run(_read_inventory(load_config(config, overrides).config))
     if as_json:
         typer.echo(json.dumps(inventory_json(inv), indent=2))
     else:
         typer.echo(inventory_table(inv))
+
+
+async def _read_inventory(cfg: Config) -> Inventory:
+    """Open the configured backend, read the inventory once, close it."""
+    from agent.app import resolve_node_name
+    from agent.inventory.factory import open_backend
+
+    opened = await open_backend(cfg, node_name=resolve_node_name(cfg))
+    try:
+        return await opened.load()
+    finally:
+        await opened.close()
 
 
 # --- version -----------------------------------------------------------------------
@@ -266,6 +271,46 @@ def config_check(
         cfg = build_config(read_document(file), overrides)
         typer.echo(f"{file}: valid")
         typer.echo(asyncio.run(describe_ownership(cfg, node_name=node_name, labels=labels)))
+
+
+@config_app.command("plan")
+def config_plan(
+    file: Annotated[Path, typer.Argument(help="Config file to plan.")],
+    node_name: NodeNameOpt = None,
+    label: Annotated[list[str] | None, typer.Option("--label", "-l", help="Node label KEY=VALUE (repeatable).")] = None,
+    debug_addr: Annotated[
+        str | None, typer.Option(help="A running agent's debug HOST:PORT (default: the config's debug_addr).")
+    ] = None,
+    backend: BackendOpt = None,
+    simulated: SimulatedOpt = False,
+    preset: PresetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show, per GPU, what applying FILE would move and what each move would wait for; applies nothing.
+
+    Asks the agent running on this node (its debug endpoint) for the current owners, holders,
+    inventory and labels; without one, plans against the local inventory.
+    """
+    from agent.config.plan import AgentUnreachable, fetch_agent_state, plan_against_inventory, plan_against_state
+
+    configure_logging("warning")
+    with user_errors():
+        labels = _parse_labels(label or [])
+        overrides = collect_overrides(
+            backend=backend, simulated=simulated, preset=preset, node_name=node_name, debug_addr=debug_addr
+        )
+        cfg = build_config(read_document(file), overrides)
+        try:
+            state = fetch_agent_state(cfg.debug_addr)
+        except AgentUnreachable as exc:
+            log.info("planning against the local inventory", reason=str(exc))
+            from agent.app import resolve_node_name
+
+            inv = asyncio.run(_read_inventory(cfg))
+            plan = plan_against_inventory(cfg, inv, node_name=resolve_node_name(cfg), labels=labels)
+        else:
+            plan = plan_against_state(cfg, state, labels=labels)
+        typer.echo(json.dumps(plan.as_dict(), indent=2) if as_json else plan.render())
 
 
 def main() -> None:
