@@ -48,7 +48,7 @@ class CelValueError(ValueError):
 
 
 @total_ordering
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Quantity:
     """A Kubernetes resource quantity, exact (``80Gi``, ``81559Mi``, ``1.5G``, ``2e3``)."""
 
@@ -69,9 +69,15 @@ class Quantity:
     def __lt__(self, other: Quantity) -> bool:
         return self.value < other.value
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Quantity) and self.value == other.value
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
 
 @total_ordering
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Semver:
     """A SemVer 2.0.0 version, ordered by precedence (build metadata ignored)."""
 
@@ -264,7 +270,9 @@ def compile_expression(source: str, environment: CelEnvironment = DRA_SELECTOR) 
         raise CelCompileError(f"{source[:80]!r}: undeclared functions {sorted(unknown_functions)}")
     unknown_variables = variables - environment.variables
     if unknown_variables:
-        raise CelCompileError(f"{source[:80]!r}: undeclared variables {sorted(unknown_variables)} in {environment.name}")
+        raise CelCompileError(
+            f"{source[:80]!r}: undeclared variables {sorted(unknown_variables)} in {environment.name}"
+        )
     return CompiledExpression(source, environment, env.program(tree, functions=KUBERNETES_FUNCTIONS))
 
 

@@ -75,7 +75,11 @@ def test_mounts_are_exactly_the_directories_the_agent_uses(directory: str) -> No
         config.paths.driver_root: (config.paths.host_driver_root or config.paths.driver_root, True),
     }
     mounts = _mounts(pod, container)
-    host_mounts = {Path(p): (Path(v["hostPath"]["path"]), bool(m.get("readOnly"))) for p, (m, v) in mounts.items() if "hostPath" in v}
+    host_mounts = {
+        Path(p): (Path(v["hostPath"]["path"]), bool(m.get("readOnly")))
+        for p, (m, v) in mounts.items()
+        if "hostPath" in v
+    }
     assert host_mounts == wanted
     # the state directory (the DRA checkpoint) lies in a writable one of them
     assert any(config.state_dir.is_relative_to(p) and not ro for p, (_, ro) in wanted.items())

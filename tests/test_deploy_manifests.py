@@ -138,7 +138,9 @@ def test_rbac_grants_exactly_what_the_agent_uses(directory: str) -> None:
     for binding in (o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")):
         assert binding["subjects"] == [subject]
         role = next(
-            o for o in objects if o["kind"] == binding["roleRef"]["kind"] and o["metadata"]["name"] == binding["roleRef"]["name"]
+            o
+            for o in objects
+            if o["kind"] == binding["roleRef"]["kind"] and o["metadata"]["name"] == binding["roleRef"]["name"]
         )
         scope = binding["metadata"].get("namespace", "*")
         for rule in role["rules"]:
