@@ -96,8 +96,14 @@ def test_wheel_installs_into_a_clean_venv_and_runs(tmp_path: Path) -> None:
         assert result.returncode == 0, f"{' '.join(map(str, args))}:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
         return result.stdout
 
+    # what the Dockerfile copies into its build stage; setuptools writes build/ next to the sources
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, source / name)
+    shutil.copytree(ROOT / "agent", source / "agent", ignore=shutil.ignore_patterns("__pycache__"))
     wheels = tmp_path / "wheels"
-    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", wheels, ROOT)
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", wheels, source)
     (wheel,) = wheels.glob("gpu_node_agent-*.whl")
     assert wheel.name.startswith(f"gpu_node_agent-{agent.__version__}-py3-none-any")
 
