@@ -1,0 +1,246 @@
+"""The DeviceClasses under config/ compile as Kubernetes CEL and select the right devices.
+
+DEVICES mirrors what the agent publishes (README, "Operating it": attributes under the driver's
+domain, the NVIDIA DRA driver's vocabulary, capacity ``memory``) for the simulated presets plus
+an H200 and another driver's GPU. Once the DRA publisher lands, the same checks run on its real
+output through :func:`tests.cel_eval.devices_from_resource_slice`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from agent.config.schema import DEFAULT_DRA_DRIVER
+from tests.cel_eval import (
+    CelCompileError,
+    CelEvaluationError,
+    Quantity,
+    Semver,
+    class_selectors,
+    compile_expression,
+    devices_from_resource_slice,
+    matches,
+    select,
+)
+from tests.manifests import KUSTOMIZATIONS, render
+
+DOMAIN = DEFAULT_DRA_DRIVER
+
+
+def _gpu(name: str, product: str, memory: str, *, minor: int, arch: str, cc: str, bus: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "driver": DOMAIN,
+        "attributes": {
+            DOMAIN: {
+                "type": "gpu",
+                "uuid": f"GPU-{minor:08d}-0000-0000-0000-000000000000",
+                "index": {"int": minor},
+                "minor": {"int": minor},
+                "productName": product,
+                "brand": "Nvidia",
+                "architecture": arch,
+                "cudaComputeCapability": {"version": cc},
+                "driverVersion": {"version": "570.124.6"},
+                "cudaDriverVersion": {"version": "12.8.0"},
+                "pcieBusID": bus,
+            },
+            "resource.kubernetes.io": {"pcieRoot": f"pci0000:{bus[5:7].lower()}"},
+        },
+        "capacity": {DOMAIN: {"memory": memory}},
+    }
+
+
+def _mig(parent: dict[str, Any], gi: int, profile: str, memory: str) -> dict[str, Any]:
+    device = _gpu(
+        f"{parent['name']}-mig-{gi}-0",
+        parent["attributes"][DOMAIN]["productName"],
+        memory,
+        minor=parent["attributes"][DOMAIN]["minor"]["int"],
+        arch=parent["attributes"][DOMAIN]["architecture"],
+        cc=parent["attributes"][DOMAIN]["cudaComputeCapability"]["version"],
+        bus=parent["attributes"][DOMAIN]["pcieBusID"],
+    )
+    device["attributes"][DOMAIN].update(
+        {"type": "mig", "uuid": f"MIG-{gi:08d}", "parentUUID": parent["attributes"][DOMAIN]["uuid"], "profile": profile}
+    )
+    return device
+
+
+H100 = [
+    _gpu(f"gpu-{i}", "NVIDIA H100 80GB HBM3", "81559Mi", minor=i, arch="Hopper", cc="9.0.0", bus=bus)
+    for i, bus in enumerate(["00000000:18:00.0", "00000000:2A:00.0"])
+]
+A100_MIG_PARENT = _gpu(
+    "gpu-2", "NVIDIA A100-SXM4-40GB", "40960Mi", minor=2, arch="Ampere", cc="8.0.0", bus="00000000:07:00.0"
+)
+A100_MIG = [
+    _mig(A100_MIG_PARENT, 1, "1g.5gb", "4864Mi"),
+    _mig(A100_MIG_PARENT, 2, "1g.5gb", "4864Mi"),
+    _mig(A100_MIG_PARENT, 3, "3g.20gb", "20096Mi"),
+]
+A100 = _gpu("gpu-3", "NVIDIA A100-SXM4-40GB", "40960Mi", minor=3, arch="Ampere", cc="8.0.0", bus="00000000:4E:00.0")
+RTX = _gpu(
+    "gpu-4",
+    "NVIDIA RTX 6000 Ada Generation",
+    "49140Mi",
+    minor=4,
+    arch="Ada Lovelace",
+    cc="8.9.0",
+    bus="00000000:3B:00.0",
+)
+H200 = _gpu("gpu-5", "NVIDIA H200", "143771Mi", minor=5, arch="Hopper", cc="9.0.0", bus="00000000:9A:00.0")
+OTHER_DRIVER = {
+    **_gpu("gpu-0", "NVIDIA H100 80GB HBM3", "81559Mi", minor=0, arch="Hopper", cc="9.0.0", bus="00000000:AB:00.0")
+}
+OTHER_DRIVER = {
+    **OTHER_DRIVER,
+    "driver": "gpu.nvidia.com",
+    "attributes": {"gpu.nvidia.com": OTHER_DRIVER["attributes"][DOMAIN]},
+    "capacity": {"gpu.nvidia.com": OTHER_DRIVER["capacity"][DOMAIN]},
+}
+DEVICES = [*H100, *A100_MIG, A100, RTX, H200, OTHER_DRIVER]
+WHOLE_GPUS = ["gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-5"]
+
+#: DeviceClass name -> the devices (by name, of our driver) it must select, exactly
+EXPECTED = {
+    "gpu.gpu-node-agent.nvidia.com": WHOLE_GPUS,
+    "gpu-extended-resource.gpu-node-agent.nvidia.com": WHOLE_GPUS,
+    "gpu-80gb.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1", "gpu-5"],
+    "h100-80gb-hbm3.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1"],
+    "mig-1g.5gb.gpu-node-agent.nvidia.com": ["gpu-2-mig-1-0", "gpu-2-mig-2-0"],
+}
+
+
+def _device_classes() -> dict[str, dict[str, Any]]:
+    classes = {}
+    for directory in KUSTOMIZATIONS:
+        for obj in render(directory):
+            if obj["kind"] == "DeviceClass":
+                classes[obj["metadata"]["name"]] = obj
+    return classes
+
+
+def test_every_shipped_device_class_has_an_expectation() -> None:
+    assert sorted(_device_classes()) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_selectors_compile(name: str) -> None:
+    selectors = class_selectors(_device_classes()[name])
+    assert selectors
+    for selector in selectors:
+        # attributes are read under the agent's domain only, never by device name
+        assert f'device.driver == "{DOMAIN}"' in selector.source
+        assert "device.name" not in selector.source
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_class_selects_exactly_the_intended_devices(name: str) -> None:
+    # select() raises if a selector errors on any device (the scheduler would abort the attempt)
+    chosen = select(_device_classes()[name], DEVICES)
+    assert [d["name"] for d in chosen] == EXPECTED[name]
+    assert all(d["driver"] == DOMAIN for d in chosen)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_class_selects_the_same_from_a_published_resource_slice(name: str) -> None:
+    ours = [d for d in DEVICES if d["driver"] == DOMAIN]
+    resource_slice = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "spec": {
+            "driver": DOMAIN,
+            "nodeName": "gpu-node-1",
+            "pool": {"name": "gpu-node-1", "generation": 1, "resourceSliceCount": 1},
+            "devices": [
+                {
+                    "name": d["name"],
+                    "attributes": {
+                        **{k: v if isinstance(v, dict) else {"string": v} for k, v in d["attributes"][DOMAIN].items()},
+                        "resource.kubernetes.io/pcieRoot": {
+                            "string": d["attributes"]["resource.kubernetes.io"]["pcieRoot"]
+                        },
+                    },
+                    "capacity": {"memory": {"value": d["capacity"][DOMAIN]["memory"]}},
+                }
+                for d in ours
+            ],
+        },
+    }
+    published = devices_from_resource_slice(resource_slice)
+    assert [d["name"] for d in select(_device_classes()[name], published)] == EXPECTED[name]
+
+
+def test_80_gib_would_miss_every_h100_80gb() -> None:
+    # why gpu-80gb compares with quantity("80G"): NVML reports 81559 MiB for an H100 80GB
+    binary = compile_expression(f'device.capacity["{DOMAIN}"].memory.compareTo(quantity("80Gi")) >= 0')
+    assert not any(matches(binary, d) for d in H100)
+
+
+def test_an_unguarded_missing_attribute_is_an_error_not_a_mismatch() -> None:
+    # as in the scheduler: reading an attribute a device lacks fails the evaluation
+    with pytest.raises(CelEvaluationError, match="profile"):
+        matches(f'device.attributes["{DOMAIN}"].profile == "1g.5gb"', H100[0])
+    # an unknown domain is an empty map, not an error
+    assert matches('device.attributes["example.com"].size() == 0', H100[0])
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        (f'device.capacity["{DOMAIN}"].memory.compareto(quantity("1"))', "undeclared functions"),
+        ('devices.driver == "x"', "undeclared variables"),
+        ("device.driver ==", "does not parse"),
+        ("true || " * 1500 + "true", "over 10240"),
+    ],
+)
+def test_compile_rejects_what_kubernetes_rejects(expression: str, message: str) -> None:
+    with pytest.raises(CelCompileError, match=message):
+        compile_expression(expression)
+
+
+def test_non_boolean_selector_is_an_error() -> None:
+    with pytest.raises(CelEvaluationError, match="not a bool"):
+        matches("device.driver", H100[0])
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "order"),
+    [("80Gi", "85899345920", 0), ("81559Mi", "80G", 1), ("1.5G", "1500M", 0), ("500m", "1", -1), ("2e3", "2k", 0)],
+)
+def test_quantity_order(a: str, b: str, order: int) -> None:
+    left, right = Quantity.parse(a), Quantity.parse(b)
+    assert (left > right) - (left < right) == order
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "order"),
+    [
+        ("9.0.0", "8.9.0", 1),
+        ("1.0.0-alpha", "1.0.0", -1),
+        ("1.0.0-alpha.1", "1.0.0-alpha.beta", -1),
+        ("1.2.3+b", "1.2.3", 0),
+    ],
+)
+def test_semver_order(a: str, b: str, order: int) -> None:
+    left, right = Semver.parse(a), Semver.parse(b)
+    assert (left > right) - (left < right) == order
+
+
+def test_versions_compare_in_cel() -> None:
+    expression = f'device.attributes["{DOMAIN}"].cudaComputeCapability.isGreaterThan(semver("8.9.0"))'
+    assert [d["name"] for d in DEVICES if d["driver"] == DOMAIN and matches(expression, d)] == [
+        "gpu-0",
+        "gpu-1",
+        "gpu-5",
+    ]
+
+
+@pytest.mark.parametrize("text", ["570.124.06", "12.8", "v1.0.0"])
+def test_invalid_semver_is_refused(text: str) -> None:
+    # NVML's driver version 570.124.06 has a leading zero: it must be published as 570.124.6
+    with pytest.raises(ValueError, match="not a semantic version"):
+        Semver.parse(text)
