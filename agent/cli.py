@@ -291,7 +291,8 @@ def config_plan(
     Asks the agent running on this node (its debug endpoint) for the current owners, holders,
     inventory and labels; without one, plans against the local inventory.
     """
-    from agent.config.plan import AgentUnreachable, fetch_agent_state, plan_against_inventory, plan_against_state
+    from agent.config.plan import plan_against_inventory, plan_against_state
+    from agent.debug.client import AgentUnreachable, fetch_agent_state
 
     configure_logging("warning")
     with user_errors():
@@ -311,6 +312,31 @@ def config_plan(
         else:
             plan = plan_against_state(cfg, state, labels=labels)
         typer.echo(json.dumps(plan.as_dict(), indent=2) if as_json else plan.render())
+
+
+@app.command()
+def status(
+    debug_addr: Annotated[
+        str | None, typer.Option(help="The agent's debug HOST:PORT (default: the config's debug_addr).")
+    ] = None,
+    config: ConfigOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show the node's GPUs: owner, health, who holds each one and how busy it is (from the running agent)."""
+    from agent.debug.client import fetch_agent_state
+    from agent.status import render, rows_from_state
+
+    configure_logging("warning")
+    with user_errors():
+        cfg = load_config(config, collect_overrides(debug_addr=debug_addr)).config
+        state = fetch_agent_state(cfg.debug_addr)
+    rows = rows_from_state(state)
+    if as_json:
+        typer.echo(
+            json.dumps({"node": state.get("node", {}).get("name"), "gpus": [r.as_dict() for r in rows]}, indent=2)
+        )
+    else:
+        typer.echo(render(state, rows))
 
 
 def main() -> None:

@@ -9,23 +9,15 @@ The live agent logs the same rows before it applies a reload (:func:`plan_rows` 
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from agent.config.schema import Config
-from agent.errors import AgentError
 from agent.inventory.model import Gpu, Inventory, MigDevice
 from agent.ownership import OwnershipTable, compute_ownership
 
-#: how long the plan waits for a running agent's debug endpoint
-AGENT_TIMEOUT_S = 2.0
 UNKNOWN = "unknown"
-#: the most of the agent's answer read (a node's state is tens of KiB)
-MAX_STATE_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,29 +102,6 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         lines.append(f"{len(moving)} of {len(rows)} GPUs would move" + (" (marked *)" if moving else ""))
     lines.extend(f"warning: {w}" for w in warnings)
     return "\n".join(lines)
-
-
-class AgentUnreachable(AgentError):
-    """No running agent answered on the debug address."""
-
-
-def fetch_agent_state(debug_addr: str, timeout_s: float = AGENT_TIMEOUT_S) -> dict[str, Any]:
-    """GET ``/debug/state`` of a running agent; AgentUnreachable when none answers."""
-    url = f"http://{debug_addr}/debug/state"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            body = resp.read(MAX_STATE_BYTES + 1)
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        raise AgentUnreachable(f"no agent answered at {url}: {getattr(exc, 'reason', exc)}") from exc
-    if len(body) > MAX_STATE_BYTES:
-        raise AgentUnreachable(f"{url}: answer larger than {MAX_STATE_BYTES} bytes")
-    try:
-        state = json.loads(body)
-    except ValueError as exc:
-        raise AgentUnreachable(f"{url}: not a gpu-node-agent state document") from exc
-    if not isinstance(state, dict) or not isinstance(state.get("devices"), list):
-        raise AgentUnreachable(f"{url}: not a gpu-node-agent state document")
-    return state
 
 
 def inventory_from_state(state: Mapping[str, Any]) -> Inventory:

@@ -1,0 +1,106 @@
+"""``gpu-agent status``: the node's GPUs at a glance, from the running agent's ``/debug/state``.
+
+Per GPU: owner (granted, and the desired one when they differ), health, who holds it and how
+busy it is. Readable at 80 columns; ``--json`` prints the same rows as JSON for scripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: holders named on a row (the rest are counted)
+SHOWN_HOLDERS = 2
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRow:
+    index: int
+    uuid: str
+    owner: str
+    desired: str
+    health: str
+    cause: str
+    holders: tuple[str, ...]
+    #: GPU utilization in percent, None when not sampled (or unknown)
+    gpu_percent: float | None
+    memory_used_mib: int | None
+    memory_total_mib: int | None
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "index": self.index,
+            "uuid": self.uuid,
+            "owner": self.owner,
+            "desired_owner": self.desired,
+            "health": self.health,
+            "health_cause": self.cause,
+            "holders": list(self.holders),
+            "gpu_utilization_percent": self.gpu_percent,
+            "memory_used_mib": self.memory_used_mib,
+            "memory_total_mib": self.memory_total_mib,
+        }
+
+
+def rows_from_state(state: Mapping[str, Any]) -> list[StatusRow]:
+    rows = []
+    for d in state.get("devices") or ():
+        holders = []
+        for mechanism in (d.get("holders") or {}).values():
+            for h in mechanism:
+                who = f"{h.get('namespace')}/{h.get('name')}"
+                holders.append(f"claim {who}" if h.get("kind") == "claim" else who)
+        util = d.get("utilization") or {}
+        detail = d.get("health_detail") or {}
+        rows.append(
+            StatusRow(
+                index=int(d.get("index", -1)),
+                uuid=str(d.get("uuid", "")),
+                owner=str(d.get("owner", "")),
+                desired=str(d.get("desired_owner") or d.get("owner", "")),
+                health=str(d.get("health", "")),
+                cause=str(detail.get("cause", "") if isinstance(detail, dict) else ""),
+                holders=tuple(holders),
+                gpu_percent=_number(util.get("gpu_percent")),
+                memory_used_mib=_int(util.get("memory_used_mib")),
+                memory_total_mib=_int(util.get("memory_total_mib")) or _int(d.get("memory_mib")),
+            )
+        )
+    return sorted(rows, key=lambda r: r.index)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
+    node = state.get("node") or {}
+    lines = [
+        f"node {node.get('name', '?')}  {state.get('status', '')}  backend {state.get('backend', '')}"
+        f"  driver {state.get('driver_version') or '-'}",
+        f"{'GPU':>3}  {'OWNER':<22}  {'HEALTH':<9}  {'UTIL':>4}  {'MEMORY':>13}  HELD BY",
+    ]
+    for r in rows:
+        owner = r.owner if r.desired == r.owner or r.owner.startswith("draining:") else f"{r.owner}>{r.desired}"
+        owner = owner.replace("draining:", "drain ").replace("device-plugin", "dp")
+        util = f"{r.gpu_percent:.0f}%" if r.gpu_percent is not None else "-"
+        if r.memory_used_mib is not None and r.memory_total_mib:
+            memory = f"{r.memory_used_mib / 1024:.0f}/{r.memory_total_mib / 1024:.0f}GiB"
+        elif r.memory_total_mib:
+            memory = f"-/{r.memory_total_mib / 1024:.0f}GiB"
+        else:
+            memory = "-"
+        held = ", ".join(r.holders[:SHOWN_HOLDERS]) or "-"
+        if len(r.holders) > SHOWN_HOLDERS:
+            held += f" +{len(r.holders) - SHOWN_HOLDERS}"
+        lines.append(f"{r.index:>3}  {owner[:22]:<22}  {r.health[:9]:<9}  {util:>4}  {memory:>13}  {held[:21]}")
+        if r.health != "healthy" and r.cause:
+            lines.append(f"     {r.cause[:75]}")
+    if not rows:
+        lines.append("  (no GPUs)")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""``gpu-agent status``: an operator's view of the node, from the running agent."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.status import render, rows_from_state
+from tests.agentproc import AgentProcess, run_cli
+from tests.test_plugin_fakes import short_tmpdir
+
+STATE = {
+    "node": {"name": "gpu-node-7"},
+    "status": "serving",
+    "backend": "nvml",
+    "driver_version": "570.124.06",
+    "devices": [
+        {
+            "index": 1,
+            "uuid": "GPU-bbbb",
+            "owner": "draining:device-plugin->dra",
+            "desired_owner": "dra",
+            "health": "healthy",
+            "memory_mib": 81559,
+            "holders": {"device-plugin": [{"kind": "container", "namespace": "ml", "name": "train-0"}]},
+            "utilization": {"gpu_percent": 97.0, "memory_used_mib": 40960, "memory_total_mib": 81559},
+        },
+        {
+            "index": 0,
+            "uuid": "GPU-aaaa",
+            "owner": "dra",
+            "desired_owner": "dra",
+            "health": "unhealthy",
+            "health_detail": {"cause": "xid 79: GPU has fallen off the bus"},
+            "memory_mib": 81559,
+            "holders": {"dra": [{"kind": "claim", "namespace": "ml", "name": "c1"}]},
+        },
+    ],
+}
+
+
+def test_rows_and_the_80_column_view() -> None:
+    rows = rows_from_state(STATE)
+    assert [r.index for r in rows] == [0, 1]
+    assert rows[1].holders == ("ml/train-0",) and rows[0].holders == ("claim ml/c1",)
+    assert rows[1].gpu_percent == 97.0 and rows[0].gpu_percent is None
+    text = render(STATE, rows)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "drain dp->dra" in text and "97%" in text and "40/80GiB" in text
+    assert "xid 79: GPU has fallen off the bus" in text
+
+
+@pytest.mark.integration
+def test_status_against_a_running_agent() -> None:
+    with short_tmpdir() as root:  # socket paths stay under 108 bytes
+        _status_against_a_running_agent(root)
+
+
+def _status_against_a_running_agent(root: Path) -> None:
+    agent = AgentProcess(root, ["--simulated"])
+    try:
+        agent.wait_ready()
+        result = run_cli("status", "--json", "--debug-addr", f"127.0.0.1:{agent.port}")
+        assert result.returncode == 0, result.stderr
+        doc = json.loads(result.stdout)
+        assert doc["node"] == "test-node" and len(doc["gpus"]) == 8
+        assert {g["owner"] for g in doc["gpus"]} == {"device-plugin"}
+        table = run_cli("status", "--debug-addr", f"127.0.0.1:{agent.port}")
+        assert table.returncode == 0 and "node test-node  serving" in table.stdout
+    finally:
+        agent.kill()
+    down = run_cli("status", "--debug-addr", "127.0.0.1:1")
+    assert down.returncode != 0
+    assert down.stderr.strip().startswith("gpu-agent: error: no agent answered at http://127.0.0.1:1/debug/state")
+    assert len(down.stderr.strip().splitlines()) == 1
