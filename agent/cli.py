@@ -210,7 +210,7 @@ def inventory(
 
     async def load() -> Any:
         cfg = load_config(config, overrides).config
-        opened = await open_backend(cfg, node_name=resolve_node_name(cfg))
+        opened = await open_backend(cfg, node_name=resolve_node_name(cfg), wait_for_driver=False)
         try:
             return await opened.load()
         finally:

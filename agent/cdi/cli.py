@@ -109,7 +109,7 @@ def check_directory(directory: Path) -> tuple[list[str], int, int]:
 async def _load_inventory(config: Config) -> Inventory:
     from agent.inventory.factory import open_backend  # type: ignore[import-not-found,unused-ignore]
 
-    backend = await open_backend(config)
+    backend = await open_backend(config, wait_for_driver=False)
     try:
         inventory: Inventory = await backend.load()
     finally:

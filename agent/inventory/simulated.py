@@ -62,6 +62,21 @@ class SimulatedBackend:
     async def close(self) -> None:
         return None
 
+    def update_health_config(self, config: HealthConfig) -> None:
+        """Live: the next round of checks waits the new ``check_interval_s``."""
+        self._health = config
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, f"simulated node ({self.preset_key})"
+
+    def status(self) -> dict[str, object]:
+        return {
+            "backend": self.name,
+            "preset": self.preset_key,
+            "description": self.description,
+            "faulted": sorted(self._faulted),
+        }
+
     @property
     def faulted(self) -> frozenset[str]:
         """GPU UUIDs whose periodic checks are held off by an injected fault."""
