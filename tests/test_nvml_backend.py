@@ -436,3 +436,20 @@ async def test_health_config_default_is_used_until_updated(tmp_path: Path) -> No
     b.update_health_config(HealthConfig(check_interval_s=7, event_wait_ms=300))
     health = b.status()["health"]
     assert health == {"enabled": True, "check_interval_s": 7, "event_wait_ms": 300}
+
+
+async def test_inventory_views_show_what_could_not_be_read(tmp_path: Path) -> None:
+    from agent.inventory.model import Inventory
+    from agent.inventory.render import inventory_json, inventory_table
+
+    fake = h100_node()
+    fake.gpus[6].no_permission = True
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    table = inventory_table(inventory)
+    assert "could not read:" in table and "GPU 6: getting its handle: Insufficient Permissions" in table
+    doc = inventory_json(inventory)
+    assert doc["problems"] == list(inventory.problems) and doc["gpus"][0]["pcie_root"] == "pci0000:00"
+    empty = inventory_table(Inventory.empty("nvml", reason="libnvidia-ml.so.1 not found under /driver-root"))
+    assert "no GPUs on this node: libnvidia-ml.so.1 not found under /driver-root" in empty
