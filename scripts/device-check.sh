@@ -169,7 +169,7 @@ async def main() -> None:
 asyncio.run(main())
 EOF
 
-# the agent itself for 10 s: readiness, /debug/state, metrics, the CDI spec it writes
+# the agent itself for 5 s: readiness, /debug/state, metrics, the CDI spec it writes
 root=$(mktemp -d /tmp/gpu-agent-check.XXXX)
 mkdir -p "$root/kubelet/device-plugins" "$root/cdi" "$root/state"
 port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -191,7 +191,7 @@ EOF
 }
 for _ in $(seq 1 50); do fetch /healthz >/dev/null 2>&1 && break; sleep 0.2; done
 fetch /readyz > "$out/readyz-start.json" 2>&1
-sleep 10 # a few periodic checks, the event thread waiting, the CDI reconciler
+sleep 5 # ready, the CDI spec written, a first periodic check and event wait
 fetch /readyz > "$out/readyz.json" 2>&1
 fetch /debug/state > "$out/state.json" 2>&1
 fetch /metrics > "$out/metrics.txt" 2>&1

@@ -82,7 +82,6 @@ class NvmlBackend:
         nvml: ModuleType | None = None,
         sysfs_root: Path = Path("/sys"),
         procfs_root: Path = Path("/proc"),
-        library_loader: nvml_library.LibraryLoader | None = None,
         blind_after_s: float = BLIND_AFTER_S,
     ) -> None:
         self._health = health
@@ -92,7 +91,6 @@ class NvmlBackend:
         self._nvml = nvml
         self._sysfs_root = sysfs_root
         self._procfs_root = procfs_root
-        self._loader = library_loader
         self._blind_after_s = blind_after_s
         self._opened = False
         self._initialised = False
@@ -159,10 +157,7 @@ class NvmlBackend:
         self._searched = choice.searched
         if choice.path is not None and not nvml_library.loaded(nvml):
             try:
-                if self._loader is None:
-                    nvml_library.bind(nvml, choice.path)
-                else:
-                    nvml_library.bind(nvml, choice.path, self._loader)
+                nvml_library.bind(nvml, choice.path)
             except OSError as exc:
                 raise LibraryMissingError(f"cannot load {choice.path}: {exc}") from exc
             except nvml_library.BindingUnsupported as exc:
