@@ -134,6 +134,9 @@ class Agent:
     def gpu_uuids(self) -> list[str]:
         return [gpu.uuid for gpu in self.inventory.gpus]
 
+    def inventory_problems(self) -> int:
+        return len(self.inventory.problems)
+
     @property
     def status(self) -> str:
         return "serving" if self.inventory.gpus else "no devices"
@@ -163,8 +166,7 @@ class Agent:
         }
 
     def backend_state(self) -> dict[str, object]:
-        status = getattr(self.backend, "status", None)
-        return dict(status()) if callable(status) else {"name": self.backend.name}
+        return {"name": self.backend.name, **self.backend.status()}
 
     def validate(self, loaded: LoadedConfig) -> None:
         """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
@@ -172,8 +174,13 @@ class Agent:
 
     def readiness(self) -> dict[str, Readiness]:
         """Check name -> result, for /readyz and the ``ready`` event."""
+        backend_ok, backend_detail = self.backend.readiness()
+        inventory = self.inventory
+        detail = backend_detail or f"{len(inventory.gpus)} GPUs ({inventory.backend})"
+        if inventory.problems:
+            detail += f"; {len(inventory.problems)} device(s) could not be read: {inventory.problems[0]}"
         checks = {
-            "inventory": Readiness(True, f"{len(self.inventory.gpus)} GPUs ({self.inventory.backend})"),
+            "inventory": Readiness(backend_ok, detail),
             "debug": Readiness(bool(self.debug_port), "" if self.debug_port else "debug endpoint not listening"),
         }
         if self.labels_needed():
@@ -205,6 +212,7 @@ class Agent:
             async for loaded in changes:
                 set_level(loaded.config.log_level)
                 self.health.update_config(loaded.config.health)
+                self.backend.update_health_config(loaded.config.health)
                 self._recompute_ownership(f"config {loaded.version}")
 
     async def watch_health(self) -> None:

@@ -229,7 +229,7 @@ async def _read_inventory(cfg: Config) -> Inventory:
     from agent.app import resolve_node_name
     from agent.inventory.factory import open_backend
 
-    opened = await open_backend(cfg, node_name=resolve_node_name(cfg))
+    opened = await open_backend(cfg, node_name=resolve_node_name(cfg), wait_for_driver=False)
     try:
         return await opened.load()
     finally:

@@ -1,39 +1,237 @@
 #!/usr/bin/env bash
-# A short check on a machine with a real NVIDIA GPU (the project's lent device machine):
-# the NVML inventory, a few seconds of the agent with NVML health monitoring, and the CDI spec
-# generated against the real driver. Results land under $OUT (default ./device-check-out).
+# What the agent sees on a machine with a real NVIDIA GPU, captured in one short run (~40 s).
+#
+#   scripts/device-check.sh --prepare [--with-python]   # here, with network or a pip cache:
+#                                                       # build .device-check/ to carry along
+#   scripts/device-check.sh                             # there: no network, no pip install
+#
+# The device machine gets the working tree plus .device-check/ (pass it in the device tool's
+# `carry`). Everything lands under $OUT (default device-check-out/); summary.txt says what to
+# look at first. See docs/device-check.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+here=$(pwd)
+carried=.device-check
+pkgs=$carried/pkgs
+
+# --- preparing the carried packages (and optionally an interpreter) --------------------------
+prepare() {
+  local with_python=$1 py=python3
+  [ -x .venv/bin/python ] && py=.venv/bin/python
+  rm -rf "$carried" && mkdir -p "$pkgs"
+  # the runtime dependencies exactly as pyproject.toml lists them, no test tools
+  mapfile -t deps < <("$py" -c 'import tomllib; [print(d) for d in tomllib.load(open("pyproject.toml","rb"))["project"]["dependencies"]]')
+  "$py" -m pip install -q --no-compile --target "$pkgs" "${deps[@]}" || return 1
+  # interpreter-independent: pure-Python fallbacks only (the *_NO_EXTENSIONS variables below)
+  find "$pkgs" \( -name '*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
+  rm -rf "$pkgs/bin"
+  if [ "$with_python" = yes ]; then
+    # this interpreter, trimmed (no test suite, no site-packages, no static library); it needs
+    # the machine's libc, libffi 8 and libssl 3 (Debian 12, Ubuntu 22.04 and later have them)
+    "$py" - "$carried/python" <<'EOF'
+import shutil, sys, sysconfig
+from pathlib import Path
+
+dest, base = Path(sys.argv[1]), Path(sys.base_prefix)
+version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+(dest / "bin").mkdir(parents=True)
+(dest / "lib").mkdir()
+shutil.copy2(base / "bin" / version, dest / "bin" / "python3")
+libdir = Path(sysconfig.get_config_var("LIBDIR") or base / "lib")
+for lib in libdir.glob(f"lib{version}.so.*"):  # the shared libpython, when the build has one
+    shutil.copy2(lib, dest / "lib" / lib.name)
+skip = {"test", "tests", "site-packages", "idlelib", "tkinter", "ensurepip", "lib2to3", "turtledemo", "__pycache__"}
+shutil.copytree(
+    base / "lib" / version,
+    dest / "lib" / version,
+    ignore=lambda _, names: [
+        n for n in names if n in skip or n.startswith(("config-", "_test", "_tkinter", "_ctypes_test", "xxlimited"))
+    ],
+)
+EOF
+    # debug symbols are most of the size; strip them when binutils are there
+    command -v strip >/dev/null && find "$carried/python" -name '*.so*' -type f -exec strip --strip-unneeded {} +
+  fi
+  du -sh "$carried" "$carried"/* | sed 's/^/size: /'
+  echo "carry: $carried (device tool: carry=[\"$carried\"])"
+}
+
+case "${1:-}" in
+  --prepare) prepare "$([ "${2:-}" = --with-python ] && echo yes || echo no)"; exit $? ;;
+  "") ;;
+  *) echo "usage: $0 [--prepare [--with-python]]" >&2; exit 2 ;;
+esac
+
+# --- the check ----------------------------------------------------------------------------------
 out="${OUT:-device-check-out}"
 mkdir -p "$out"
-py=python3
-[ -x .venv/bin/python ] && py=.venv/bin/python
-if ! "$py" -c "import agent" 2>/dev/null; then
-  "$py" -m venv .venv && .venv/bin/pip install -q -e . && py=.venv/bin/python
+out=$(cd "$out" && pwd)
+export AIOHTTP_NO_EXTENSIONS=1 MULTIDICT_NO_EXTENSIONS=1 YARL_NO_EXTENSIONS=1 FROZENLIST_NO_EXTENSIONS=1 \
+  PROPCACHE_NO_EXTENSIONS=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+[ -d "$pkgs" ] && PYTHONPATH="$here:$here/$pkgs"
+export GPU_AGENT_DRIVER_ROOT="${GPU_AGENT_DRIVER_ROOT:-/}"
+
+# a Python >= 3.11: the carried interpreter, $PYTHON, the project venv, then the machine's
+usable() { "$@" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }
+py=""
+if [ -x "$carried/python/bin/python3" ] && \
+   LD_LIBRARY_PATH="$here/$carried/python/lib" PYTHONHOME="$here/$carried/python" usable "$carried/python/bin/python3"; then
+  export LD_LIBRARY_PATH="$here/$carried/python/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PYTHONHOME="$here/$carried/python"
+  py="$here/$carried/python/bin/python3"
 fi
-run() { echo "== $*"; "$@"; echo "rc=$?"; }
-{
-  run nvidia-smi -L
-  run "$py" -m agent inventory --backend nvml
-  run "$py" -m agent inventory --backend nvml --json
-} > "$out/inventory.txt" 2>&1
+for candidate in "${PYTHON:-}" .venv/bin/python python3.13 python3.12 python3.11 python3; do
+  [ -z "$py" ] && [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 && usable "$candidate" && py=$candidate
+done
 
+summary="$out/summary.txt"
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+# step NAME SECONDS CMD...: output to NAME.txt, one line per step in the summary
+step() {
+  local name=$1 secs=$2 rc
+  shift 2
+  { echo "\$ $*"; timeout "$secs" "$@"; } > "$out/$name.txt" 2>&1
+  rc=$?
+  note "$(printf '%-22s rc=%-3s %s' "$name" "$rc" "$*")"
+}
+
+note "device check $(date -u +%FT%TZ) on $(uname -n), kernel $(uname -r)"
+note "python: ${py:-none >= 3.11 found} $( [ -n "$py" ] && "$py" -c 'import sys; print(sys.version.split()[0])')"
+step os-release 5 cat /etc/os-release
+step nvidia-smi-L 10 nvidia-smi -L
+step nvidia-smi-q 20 nvidia-smi -q
+step nvidia-smi-topo 10 nvidia-smi topo -m
+step dev-nodes 5 bash -c 'ls -l /dev/nvidia* /dev/nvidia-caps /dev/dri /dev/dri/by-path 2>&1'
+step mig-minors 5 cat /proc/driver/nvidia-caps/mig-minors
+step driver-gpus 5 bash -c 'for f in /proc/driver/nvidia/gpus/*/information; do echo "== $f"; cat "$f"; done'
+step nvidia-ctk-version 5 bash -c 'command -v nvidia-ctk && nvidia-ctk --version; command -v nvidia-cdi-hook && nvidia-cdi-hook --version'
+
+if [ -z "$py" ]; then
+  note "no Python >= 3.11: the agent parts are skipped (carry one: scripts/device-check.sh --prepare --with-python)"
+  exit 0
+fi
+
+# NUMA node and PCIe root: sysfs (what the agent uses) next to NVML (what it must not use on Grace)
+step numa 20 "$py" - <<'EOF'
+import os
+from pathlib import Path
+from agent.inventory import nvml_library, sysfs
+import pynvml as nvml
+choice = nvml_library.locate(Path(os.environ["GPU_AGENT_DRIVER_ROOT"]))
+print("library:", choice.searched)
+if choice.path is not None:
+    nvml_library.bind(nvml, choice.path)
+nvml.nvmlInit()
+print(f"{'index':5} {'bus id':16} {'sysfs numa':10} {'nvml numa':9} {'pcie root':12} drm")
+for i in range(nvml.nvmlDeviceGetCount()):
+    h = nvml.nvmlDeviceGetHandleByIndex(i)
+    bus = nvml.nvmlDeviceGetPciInfo(h).busId
+    bus = bus.decode() if isinstance(bus, bytes) else bus
+    try:
+        numa = nvml.nvmlDeviceGetNumaNodeId(h)
+    except nvml.NVMLError as exc:
+        numa = f"({exc})"
+    root = Path("/sys")
+    print(f"{i:<5} {bus:16} {sysfs.numa_node(root, bus)!s:10} {numa!s:9} {sysfs.pcie_root(root, bus)!s:12} {sysfs.drm_nodes(root, bus)}")
+nvml.nvmlShutdown()
+EOF
+step inventory 30 "$py" -m agent inventory --backend nvml
+step inventory-json 30 "$py" -m agent inventory --backend nvml --json
+
+# 20 s of NVML health monitoring through the backend: every signal, and the event thread's status
+step health-watch 40 "$py" - <<'EOF'
+import asyncio, collections, json, os
+from pathlib import Path
+from agent.config.schema import HealthConfig
+from agent.inventory.nvml import NvmlBackend
+
+async def main() -> None:
+    backend = NvmlBackend(health=HealthConfig(check_interval_s=2), driver_root=Path(os.environ["GPU_AGENT_DRIVER_ROOT"]), required=True)
+    await backend.open()
+    inventory = await backend.load()
+    print("gpus:", len(inventory.gpus), "problems:", list(inventory.problems), "reason:", inventory.reason)
+    signals = []
+    task = asyncio.create_task(backend.watch_health(inventory, signals.append))
+    await asyncio.sleep(20)
+    status = backend.status()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await backend.close()
+    counts = collections.Counter((s.uuid, s.kind.value, s.xid) for s in signals)
+    for (uuid, kind, xid), n in sorted(counts.items()):
+        print(f"{uuid} {kind} xid={xid} x{n}")
+    for s in signals:
+        if s.kind.value != "check-ok":
+            print("signal:", s)
+    print(json.dumps(status, indent=2, default=str))
+
+asyncio.run(main())
+EOF
+
+# the agent itself for 5 s: readiness, /debug/state, metrics, the CDI spec it writes
 root=$(mktemp -d /tmp/gpu-agent-check.XXXX)
-mkdir -p "$root/kubelet/device-plugins" "$root/cdi"
-"$py" -m agent run --backend nvml --kubelet-root "$root/kubelet" --cdi-root "$root/cdi" \
-  --state-dir "$root/state" --debug-addr 127.0.0.1:9499 > "$out/run.log" 2>&1 &
+mkdir -p "$root/kubelet/device-plugins" "$root/cdi" "$root/state"
+port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$py" -m agent run --backend nvml --kubelet-root "$root/kubelet" --cdi-root "$root/cdi" --state-dir "$root/state" \
+  --debug-addr "127.0.0.1:$port" > "$out/run.log" 2>&1 &
 pid=$!
-for _ in $(seq 1 50); do curl -sf 127.0.0.1:9499/readyz >/dev/null && break; sleep 0.2; done
-sleep 8  # let a couple of health-check rounds and the NVML event loop run
-curl -s 127.0.0.1:9499/readyz > "$out/readyz.json"
-curl -s 127.0.0.1:9499/debug/state > "$out/state.json"
-curl -s 127.0.0.1:9499/metrics > "$out/metrics.txt"
+fetch() { "$py" - "$port" "$1" <<'EOF'
+import json, sys, urllib.error, urllib.request
+try:
+    with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}{sys.argv[2]}", timeout=5) as r:
+        body = r.read().decode()
+except urllib.error.HTTPError as exc:
+    body = exc.read().decode()
+try:
+    print(json.dumps(json.loads(body), indent=2))
+except ValueError:
+    print(body)
+EOF
+}
+for _ in $(seq 1 50); do fetch /healthz >/dev/null 2>&1 && break; sleep 0.2; done
+fetch /readyz > "$out/readyz-start.json" 2>&1
+sleep 5 # ready, the CDI spec written, a first periodic check and event wait
+fetch /readyz > "$out/readyz.json" 2>&1
+fetch /debug/state > "$out/state.json" 2>&1
+fetch /metrics > "$out/metrics.txt" 2>&1
 ls -l "$root/cdi" > "$out/cdi-dir.txt" 2>&1
-start=$(date +%s.%N); kill -TERM "$pid"; wait "$pid"; echo "exit=$? after $(echo "$(date +%s.%N) - $start" | bc) s" >> "$out/run.log"
-
-{
-  run "$py" -m agent cdi generate --backend nvml --output -
-  run "$py" -m agent cdi check "$root/cdi"
-} > "$out/cdi.txt" 2>&1
+cp "$root"/cdi/*.json "$out/" 2>/dev/null
+start=$(date +%s%N)
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+note "$(printf '%-22s rc=%-3s stopped %s ms after SIGTERM' agent-run "$rc" $(( ($(date +%s%N) - start) / 1000000 )))"
 rm -rf "$root"
-echo "device check written to $out"
+
+# our spec next to nvidia-ctk's, when the toolkit is installed
+step cdi-agent 30 "$py" -m agent cdi generate --backend nvml --output "$out/cdi-agent.json"
+if command -v nvidia-ctk >/dev/null 2>&1; then
+  step cdi-nvidia-ctk 30 nvidia-ctk cdi generate --format json --output "$out/cdi-nvidia-ctk.json"
+  step cdi-diff 10 "$py" - "$out/cdi-agent.json" "$out/cdi-nvidia-ctk.json" <<'EOF'
+import json, sys
+def view(path):
+    spec = json.load(open(path))
+    edits = [spec.get("containerEdits", {})] + [d["containerEdits"] for d in spec["devices"]]
+    return {
+        "cdiVersion": {spec["cdiVersion"]},
+        "device names": {d["name"] for d in spec["devices"]},
+        "device nodes": {n["path"] for e in edits for n in e.get("deviceNodes", [])},
+        "mounts": {m["containerPath"] for e in edits for m in e.get("mounts", [])},
+        "hooks": {" ".join(h["args"][1:]) for e in edits for h in e.get("hooks", [])},
+        "env": {v for e in edits for v in e.get("env", [])},
+    }
+ours, theirs = view(sys.argv[1]), view(sys.argv[2])
+for key in ours:
+    print(f"== {key}")
+    for item in sorted(ours[key] & theirs[key]):
+        print(f"   both   {item}")
+    for item in sorted(ours[key] - theirs[key]):
+        print(f"   agent  {item}")
+    for item in sorted(theirs[key] - ours[key]):
+        print(f"   ctk    {item}")
+EOF
+else
+  note "nvidia-ctk not installed: no reference spec to compare with"
+fi
+note "written to $out"

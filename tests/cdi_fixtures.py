@@ -83,6 +83,17 @@ class FakeDriver:
         paths += [f"/dev/nvidia-caps/nvidia-cap{m}" for m in self.cap_minors]
         return paths
 
+    def add_drm(self, sysfs_root: Path, gpu: Gpu, card: int) -> None:
+        """The GPU's DRM nodes (card<N>, renderD<128+N>), their by-path links, and sysfs listing them."""
+        drm = sysfs_root / "bus" / "pci" / "devices" / gpu.short_bus_id / "drm"
+        for name in (f"card{card}", f"renderD{128 + card}"):
+            (drm / name).mkdir(parents=True, exist_ok=True)
+            self.add_node(f"/dev/dri/{name}")
+        by_path = self.host("/dev/dri/by-path")
+        by_path.mkdir(parents=True, exist_ok=True)
+        (by_path / f"pci-{gpu.short_bus_id}-card").symlink_to(f"../card{card}")
+        (by_path / f"pci-{gpu.short_bus_id}-render").symlink_to(f"../renderD{128 + card}")
+
     def add_node(self, path: str, numbers: tuple[int, int] | None = None) -> Path:
         host = self.host(path)
         make_node(host, *(numbers or self.numbers.get(path, (1, 3))))
@@ -176,11 +187,22 @@ def inventory(
     )
 
 
-def fake_hook(directory: Path, record: Path | None = None) -> Path:
-    """An executable stand-in for nvidia-cdi-hook; appends its arguments to ``record``."""
+#: the subcommands of a current nvidia-cdi-hook that the agent checks a binary for
+CURRENT_SUBCOMMANDS = ("enable-cuda-compat", "disable-device-node-modification")
+
+
+def fake_hook(
+    directory: Path, record: Path | None = None, *, subcommands: tuple[str, ...] = (), name: str = "nvidia-cdi-hook"
+) -> Path:
+    """An executable stand-in for nvidia-cdi-hook; appends its arguments to ``record``.
+
+    A real binary holds its subcommands' names as strings; ``subcommands`` puts those of the
+    newer ones into the script the same way (an older binary: none of them).
+    """
     directory.mkdir(parents=True, exist_ok=True)
-    hook = directory / "nvidia-cdi-hook"
+    hook = directory / name
     body = f'echo "$@" >> {record}\n' if record else ""
-    hook.write_text(f"#!/bin/sh\n{body}exit 0\n")
+    known = f"# subcommands: create-symlinks update-ldcache {' '.join(subcommands)}\n"
+    hook.write_text(f"#!/bin/sh\n{known}{body}exit 0\n")
     hook.chmod(0o755)
     return hook

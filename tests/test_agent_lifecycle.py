@@ -148,10 +148,24 @@ def test_node_without_gpus_is_ready_and_idle(tmp_path: Path, start: object) -> N
     assert agent.terminate()[0] == 0
 
 
+def test_explicit_nvml_without_a_driver_keeps_running(tmp_path: Path, start: object) -> None:
+    """--backend nvml waits for its driver (a driver container may come later), no crash loop."""
+    empty = tmp_path / "no-driver"
+    empty.mkdir()
+    agent: AgentProcess = start(  # type: ignore[operator]
+        "--backend", "nvml", "--driver-root", str(empty), env={"LD_LIBRARY_PATH": str(tmp_path)}
+    )
+    agent.wait_port()
+    assert agent.get("/healthz")[0] == 200
+    status, body = agent.get("/readyz")
+    assert status == 503 and body["checks"]["inventory"].startswith("waiting for NVML")
+    assert agent.state()["backend_state"]["name"] == "nvml"
+    assert agent.terminate()[0] == 0
+
+
 @pytest.mark.parametrize(
     ("args", "config_text", "code", "message"),
     [
-        (["--backend", "nvml"], None, 1, "NVML"),
         (["--simulated"], "ownership: {default: both}\n", 2, "ownership.default: expected one of"),
         (["--simulated"], "unknown_key: 1\n", 2, "unknown_key: unknown field"),
         (["--simulated", "--preset", "no-such-preset"], "", 2, "no-such-preset"),

@@ -29,7 +29,7 @@ import pytest
 from agent.cdi.service import CdiService
 from agent.config.schema import CdiConfig
 from agent.inventory.state import InventoryState
-from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
+from tests.cdi_fixtures import CURRENT_SUBCOMMANDS, LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
 
 pytestmark = pytest.mark.podman
 
@@ -141,11 +141,19 @@ echo "env NVIDIA_VISIBLE_DEVICES=$NVIDIA_VISIBLE_DEVICES"
 echo "lib $(cat {LIB_DIR}/libcuda.so.{VERSION})"
 echo "smi $(test -x /usr/bin/nvidia-smi && echo ok)"
 echo "fw $(cat /lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin)"
+test -c /dev/dri/card1 && echo "card $(stat -c '%t:%T' /dev/dri/card1)"
+test -e /dev/dri/card2 && echo "card2 present" || echo "card2 absent"
+test -d /tmp/nvidia-mps && echo "mps dir"
+echo "env $(env | grep '^NVIDIA_CTK_LIBCUDA_DIR=')"
 """
 
 
 async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Path) -> None:
     driver = FakeDriver(tmp_path / "driver").build()  # every node: c 1:3, like /dev/null
+    sysfs = tmp_path / "sys"
+    for gpu, card in zip(inventory(2).gpus, (1, 2), strict=True):
+        driver.add_drm(sysfs, gpu, card)
+    driver.host("/tmp/nvidia-mps").mkdir(parents=True)
     hook_log = tmp_path / "hook.log"
     cdi_dir = tmp_path / "cdi"
     service = CdiService(
@@ -153,7 +161,8 @@ async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Pa
         cdi_root=cdi_dir,
         driver_root=driver.root,
         inventory=InventoryState(inventory(2)),
-        hook_candidates=[fake_hook(tmp_path / "hook", hook_log)],
+        hook_candidates=[fake_hook(tmp_path / "hook", hook_log, subcommands=CURRENT_SUBCOMMANDS)],
+        sysfs_root=sysfs,
     )
     await service.ensure_device_plugin_spec()
     claim_names = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
@@ -175,8 +184,13 @@ async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Pa
         assert f"lib libcuda {VERSION}" in out, out
         assert "smi ok" in out, out
         assert "fw firmware" in out, out
+        assert "card 1:3" in out and "card2 absent" in out, out  # the GPU's DRM node, not the other's
+        assert "mps dir" in out and f"env NVIDIA_CTK_LIBCUDA_DIR={LIB_DIR}" in out, out
     hooks = hook_log.read_text().splitlines()
     assert any(line.startswith("update-ldcache --folder") for line in hooks), hooks
+    assert f"enable-cuda-compat --host-driver-version={VERSION}" in hooks, hooks
+    assert "disable-device-node-modification" in hooks, hooks
+    assert "create-symlinks --link ../card1::/dev/dri/by-path/pci-0000:18:00.0-card" in " ".join(hooks), hooks
     print(f"podman run timings: {timings}")
 
 

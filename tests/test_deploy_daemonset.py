@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from agent.config.loader import ENV_FIELDS, ENV_PREFIX, build_config, env_overrides
+from agent.cdi.roots import RootMapping
 from agent.config.schema import Config
 from tests.manifests import AGENT_KUSTOMIZATIONS, agent_container, only, render
 
@@ -42,6 +43,13 @@ def _mounts(pod: dict[str, Any], container: dict[str, Any]) -> dict[str, tuple[d
     return out
 
 
+def _visible_host_root(config: Config) -> Path:
+    mapping = RootMapping(config.paths.driver_root, config.paths.host_driver_root or config.paths.driver_root)
+    root = mapping.visible_host_root()
+    assert root is not None, "the driver root must lie under a mount of the host's /"
+    return root
+
+
 @pytest.mark.parametrize("directory", AGENT_KUSTOMIZATIONS)
 def test_kubelet_and_cdi_paths_are_the_defaults(directory: str) -> None:
     # the manifests mount the kubelet's real directories; they never move the agent's paths by env
@@ -72,7 +80,9 @@ def test_mounts_are_exactly_the_directories_the_agent_uses(directory: str) -> No
         # directories and links get EROFS), so the PodResources client needs no write access
         kubelet_root / "pod-resources": (kubelet_root / "pod-resources", True),
         config.paths.cdi_root: (config.paths.cdi_root, False),
-        config.paths.driver_root: (config.paths.host_driver_root or config.paths.driver_root, True),
+        # the host's / (read-only), under which the driver root lies: where the agent finds the
+        # driver, the host's live /dev and the toolkit's hook
+        _visible_host_root(config): (Path("/"), True),
     }
     mounts = _mounts(pod, container)
     host_mounts = {
@@ -84,7 +94,7 @@ def test_mounts_are_exactly_the_directories_the_agent_uses(directory: str) -> No
     # the state directory (the DRA checkpoint) lies in a writable one of them
     assert any(config.state_dir.is_relative_to(p) and not ro for p, (_, ro) in wanted.items())
     # the driver may be mounted by a driver container after the agent starts
-    driver_mount, _ = mounts[str(config.paths.driver_root)]
+    driver_mount, _ = mounts[str(_visible_host_root(config))]
     assert driver_mount["mountPropagation"] == "HostToContainer"
 
     config_dir = str(PurePosixPath(env["GPU_AGENT_CONFIG"]).parent)
@@ -151,8 +161,9 @@ def test_production_overlays_differ_only_in_the_driver_root() -> None:
     host_env, dc_env = _env(agent_container(host)), _env(agent_container(driver_container))
     assert host_env["GPU_AGENT_HOST_DRIVER_ROOT"] == "/"
     assert dc_env["GPU_AGENT_HOST_DRIVER_ROOT"] == "/run/nvidia/driver"
-    volumes = {v["name"]: v for v in driver_container["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["driver-root"]["hostPath"]["path"] == "/run/nvidia/driver"
+    assert host_env["GPU_AGENT_DRIVER_ROOT"] == "/host"
+    assert dc_env["GPU_AGENT_DRIVER_ROOT"] == "/host/run/nvidia/driver"
+    assert host["spec"]["template"]["spec"]["volumes"] == driver_container["spec"]["template"]["spec"]["volumes"]
     assert agent_container(host)["securityContext"]["privileged"] is True
 
 

@@ -25,14 +25,17 @@ def _health(**doc: object) -> HealthConfig:
 
 
 def _inventory() -> Inventory:
-    mig = MigDevice(
-        uuid="MIG-a",
-        parent_uuid="GPU-1",
-        index=0,
-        gpu_instance_id=1,
-        compute_instance_id=0,
-        profile="3g.40gb",
-        memory_mib=40000,
+    mig, sibling = (
+        MigDevice(
+            uuid=f"MIG-{name}",
+            parent_uuid="GPU-1",
+            index=i,
+            gpu_instance_id=1 + i,
+            compute_instance_id=0,
+            profile="3g.40gb",
+            memory_mib=40000,
+        )
+        for i, name in enumerate("ab")
     )
     gpus = (
         Gpu(
@@ -57,7 +60,7 @@ def _inventory() -> Inventory:
             pci_bus_id="00000000:2a:00.0",
             numa_node=0,
             mig_enabled=True,
-            mig_devices=(mig,),
+            mig_devices=(mig, sibling),
         ),
     )
     return Inventory(backend="test", driver_version="570", cuda_driver_version="12.8", gpus=gpus)
@@ -162,14 +165,68 @@ def test_reset_required_fault_never_recovers_by_checks() -> None:
     assert monitor.state("GPU-0") is HealthState.HEALTHY
 
 
-def test_mig_devices_follow_their_parent() -> None:
-    monitor, _ = _monitor()
+def test_a_fault_on_a_mig_device_spares_its_siblings() -> None:
+    monitor, clock = _monitor(recovery_quiet_s=30)
     assert monitor.state("MIG-a") is HealthState.HEALTHY
-    monitor.observe(xid(63, uuid="MIG-a"))  # a fault on the MIG device counts against the GPU
-    assert monitor.state("GPU-1") is HealthState.UNHEALTHY
+    monitor.observe(xid(63, uuid="MIG-a"))  # NVML attributed it to this MIG device
     assert monitor.state("MIG-a") is HealthState.UNHEALTHY
+    assert monitor.state("MIG-b") is HealthState.HEALTHY
+    assert monitor.state("GPU-1") is HealthState.UNHEALTHY  # the GPU as a whole includes the bad instance
     assert monitor.state("GPU-0") is HealthState.HEALTHY
     assert monitor.state("GPU-unknown") is HealthState.UNKNOWN
+    assert monitor.counts()[HealthState.UNHEALTHY] == 1
+    record = monitor.record("MIG-a")
+    assert record is not None and record.uuid == "MIG-a"
+    # the GPU's passing checks cover its MIG devices
+    monitor.observe(ok("GPU-1"))
+    clock.now += 31
+    monitor.observe(ok("GPU-1"))
+    assert monitor.state("MIG-a") is HealthState.HEALTHY and monitor.state("GPU-1") is HealthState.HEALTHY
+
+
+def test_a_fault_on_the_gpu_takes_out_its_mig_devices() -> None:
+    monitor, _ = _monitor()
+    monitor.observe(xid(79, uuid="GPU-1"))
+    assert monitor.state("MIG-a") is HealthState.UNHEALTHY and monitor.state("MIG-b") is HealthState.UNHEALTHY
+    monitor.observe(Signal(uuid="GPU-1", kind=SignalKind.INJECTED_HEAL))  # healing the GPU heals its MIG devices
+    monitor.observe(xid(79, uuid="MIG-b"))
+    monitor.observe(Signal(uuid="GPU-1", kind=SignalKind.INJECTED_HEAL))
+    assert all(monitor.is_healthy(u) for u in ("GPU-1", "MIG-a", "MIG-b"))
+
+
+def test_unmonitored_devices_are_unknown_until_monitored_again() -> None:
+    monitor, clock = _monitor(recovery_quiet_s=10)
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.UNMONITORED, detail="wait failing"))
+    assert monitor.state("GPU-0") is HealthState.UNKNOWN and not monitor.is_healthy("GPU-0")
+    record = monitor.record("GPU-0")
+    assert record is not None and record.cause == "health events cannot be received: wait failing"
+    for _ in range(3):  # passing checks do not make up for unseen Xids
+        clock.now += 100
+        monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.UNKNOWN
+    monitor.observe(xid(62))  # a fault while unmonitored (seen by other means) still counts
+    assert monitor.state("GPU-0") is HealthState.UNHEALTHY
+    monitor.observe(ok())
+    clock.now += 11
+    monitor.observe(ok())
+    assert monitor.state("GPU-0") is HealthState.UNKNOWN  # recovered from the fault, still unmonitored
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.MONITORED))
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+    assert [h.state for h in record.history] == [
+        HealthState.UNKNOWN,
+        HealthState.UNHEALTHY,
+        HealthState.UNKNOWN,
+        HealthState.HEALTHY,
+    ]
+
+
+def test_disabling_health_clears_unmonitored() -> None:
+    monitor, _ = _monitor()
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.UNMONITORED))
+    monitor.update_config(_health(enabled=False))
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
+    monitor.observe(Signal(uuid="GPU-0", kind=SignalKind.UNMONITORED))  # ignored while disabled
+    assert monitor.state("GPU-0") is HealthState.HEALTHY
 
 
 def test_unknown_device_signals_are_ignored() -> None:

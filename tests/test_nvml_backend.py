@@ -1,110 +1,30 @@
-"""The NVML backend over a fake pynvml (tests/fakes/fake_pynvml.py): inventory, errors, health."""
+"""The NVML backend over a fake pynvml (tests/fakes/fake_pynvml.py): finding the library under
+the driver root, open/close, the factory, and the inventory read device by device."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import os
+import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from structlog.testing import capture_logs
 
-from agent.config.schema import HealthConfig
-from agent.errors import BackendError, BackendInitError, GpuLostError, LibraryMissingError
-from agent.health.model import HealthState, Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory, PcieLevel
-from agent.inventory.nvml import NvmlBackend, nvml_available
+from agent.cdi import ldcache
+from agent.config.schema import Config, HealthConfig, PathsConfig
+from agent.errors import BackendError, LibraryMissingError
+from agent.inventory.backend import NullBackend
+from agent.inventory.factory import open_backend
+from agent.inventory.model import PcieLevel
+from agent.inventory.nvml import NvmlBackend
 from tests.fakes import fake_pynvml
-from tests.fakes.fake_pynvml import DBE, SBE, XID, FakeNvml, a100_mig_node, h100_node
+from tests.fakes.fake_pynvml import FakeNvml, a100_mig_node, gh200_node, h100_node
+from tests.nvml_fixtures import CHECKS, backend, mig_minor, opened, single_line, stand_in_library
 
-# periodic checks fast; or effectively only the first one, so events tests see no churn
-CHECKS = HealthConfig(check_interval_s=0.02, event_wait_ms=20)
-EVENTS = HealthConfig(check_interval_s=3600, event_wait_ms=20)
-TIMEOUT = 2.0
-
-Sink = Callable[[Signal], None]
-
-
-def _mig_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
-    base = 3 + gpu_minor * 15 * 9 + gi * 9
-    return base if ci is None else base + 1 + ci
-
-
-def _fs(tmp_path: Path, *, numa: dict[str, str] | None = None, mig_minors: bool = True) -> tuple[Path, Path]:
-    sysfs, procfs = tmp_path / "sys", tmp_path / "proc"
-    for bus, node in (numa or {}).items():
-        path = sysfs / "bus" / "pci" / "devices" / bus / "numa_node"
-        path.parent.mkdir(parents=True)
-        path.write_text(node + "\n")
-    if mig_minors:
-        lines = ["config 1", "monitor 2"]
-        for minor in range(4):
-            for gi in range(15):
-                lines.append(f"gpu{minor}/gi{gi}/access {_mig_minor(minor, gi)}")
-                lines.extend(f"gpu{minor}/gi{gi}/ci{ci}/access {_mig_minor(minor, gi, ci)}" for ci in range(8))
-        path = procfs / "driver" / "nvidia-caps" / "mig-minors"
-        path.parent.mkdir(parents=True)
-        path.write_text("\n".join(lines) + "\n")
-    return sysfs, procfs
-
-
-async def _open(fake: FakeNvml, tmp_path: Path, health: HealthConfig = CHECKS, **fs: object) -> NvmlBackend:
-    sysfs, procfs = _fs(tmp_path, **fs)  # type: ignore[arg-type]
-    backend = NvmlBackend(health=health, nvml=fake, sysfs_root=sysfs, procfs_root=procfs)
-    await backend.open()
-    return backend
-
-
-@contextlib.asynccontextmanager
-async def _watching(
-    backend: NvmlBackend, inventory: Inventory, also: Sink | None = None
-) -> AsyncIterator[asyncio.Queue[Signal]]:
-    signals: asyncio.Queue[Signal] = asyncio.Queue()
-
-    def sink(signal: Signal) -> None:
-        if also is not None:
-            also(signal)
-        signals.put_nowait(signal)
-
-    task = asyncio.create_task(backend.watch_health(inventory, sink))
-    try:
-        yield signals
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, TIMEOUT)
-        await backend.close()
-
-
-async def _next(signals: asyncio.Queue[Signal], match: Callable[[Signal], bool]) -> Signal:
-    async def find() -> Signal:
-        while not match(signal := await signals.get()):
-            pass
-        return signal
-
-    return await asyncio.wait_for(find(), TIMEOUT)
-
-
-def _not_ok(signal: Signal) -> bool:
-    return signal.kind is not SignalKind.CHECK_OK
-
-
-async def _waiting(fake: FakeNvml, count: int = 1) -> None:
-    """Until the event thread has entered its wait ``count`` times (it registered first)."""
-    assert await asyncio.to_thread(fake.wait_for_waits, count, TIMEOUT)
-
-
-def _single_line(exc: BaseException) -> str:
-    message = str(exc)
-    assert message and "\n" not in message and "Traceback" not in message
-    return message
-
+LIB_DIR = "usr/lib/x86_64-linux-gnu"
 
 # --- the fake itself ----------------------------------------------------------------------
 
@@ -113,7 +33,9 @@ def test_fake_matches_real_pynvml() -> None:
     real = pytest.importorskip("pynvml")
     fake = h100_node()
     for name in dir(fake_pynvml):
-        if name.startswith(("NVML_ERROR_", "NVML_TOPOLOGY_", "NVML_DEVICE_ARCH_", "NVML_NVLINK_", "nvmlEventType")):
+        if name.startswith(
+            ("NVML_ERROR_", "NVML_TOPOLOGY_", "NVML_DEVICE_ARCH_", "NVML_NVLINK_", "NVML_BRAND_", "nvmlEventType")
+        ):
             assert getattr(real, name) == getattr(fake_pynvml, name), name
         if name.startswith("NVMLError_"):
             assert hasattr(real, name), name
@@ -124,105 +46,218 @@ def test_fake_matches_real_pynvml() -> None:
     assert real_fields == [f.name for f in fields(fake_pynvml.c_nvmlEventData_t)]
     assert type(fake.NVMLError(fake.NVML_ERROR_GPU_IS_LOST)) is fake.NVMLError_GpuIsLost
     assert type(real.NVMLError(real.NVML_ERROR_GPU_IS_LOST)).__name__ == "NVMLError_GpuIsLost"
+    # the library hook the backend loads through exists in the real binding
+    assert "nvmlLib" in vars(real) and hasattr(real, "libLoadLock")
 
 
-# --- open / close / availability -----------------------------------------------------------
-
-
-async def test_library_missing_is_a_one_line_error(tmp_path: Path) -> None:
-    fake = h100_node(library_missing=True)
-    backend = NvmlBackend(health=CHECKS, nvml=fake)
-    with pytest.raises(LibraryMissingError) as info:
-        await backend.open()
-    assert "libnvidia-ml.so.1" in _single_line(info.value)
-    await backend.close()  # safe after a failed open
-    assert fake.shutdown_calls == 0
-    assert not await nvml_available(fake)
-
-
-async def test_init_failure_is_backend_init_error() -> None:
-    fake = h100_node(init_error=fake_pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
-    backend = NvmlBackend(health=CHECKS, nvml=fake)
-    with pytest.raises(BackendInitError) as info:
-        await backend.open()
-    assert "Driver Not Loaded" in _single_line(info.value)
-    await backend.close()
-    assert fake.shutdown_calls == 0
-    assert not await nvml_available(fake)
-
-
-async def test_nvml_available_needs_a_gpu_and_shuts_down() -> None:
+def test_fake_handle_by_uuid_fails_for_every_gpu_while_one_is_lost() -> None:
     fake = h100_node()
-    assert await nvml_available(fake)
-    assert fake.init_count == 0 and fake.shutdown_calls == 1
-    empty = FakeNvml([])
-    assert not await nvml_available(empty)
-    assert empty.init_count == 0
+    fake.nvmlInit()
+    fake.gpus[3].lost = True
+    with pytest.raises(fake.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetHandleByUUID(fake.gpus[0].uuid)  # nvml.h: "if any GPU has fallen off the bus"
+    handle = fake.nvmlDeviceGetHandleByIndex(0)
+    assert fake.nvmlDeviceGetUUID(handle) == fake.gpus[0].uuid  # its own handle still answers
+    with pytest.raises(fake.NVMLError_GpuIsLost):
+        fake.nvmlDeviceGetHandleByIndex(3)
 
 
-async def test_default_module_is_pynvml_imported_in_open(monkeypatch: pytest.MonkeyPatch) -> None:
+# --- finding and loading the library ------------------------------------------------------
+
+
+def _library(driver_root: Path, directory: str = LIB_DIR) -> Path:
+    """libnvidia-ml.so.1 under the driver root: a link to a real ELF, as a driver install has it."""
+    lib = driver_root / directory
+    lib.mkdir(parents=True, exist_ok=True)
+    real = lib / "libnvidia-ml.so.550.54.15"
+    shutil.copyfile(stand_in_library(), real)  # a copy: a link out of the root would not resolve in it
+    (lib / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.550.54.15")
+    return real
+
+
+async def test_library_only_under_the_driver_root_is_found_and_loaded(tmp_path: Path) -> None:
+    fake = h100_node(library_missing=True)  # not on the loader path, like in a DaemonSet pod
+    b = backend(fake, tmp_path, required=True)
+    _library(tmp_path / "driver-root")
+    await b.open()
+    inventory = await b.load()
+    status = b.status()
+    await b.close()
+    assert len(inventory.gpus) == 8 and inventory.reason == ""
+    assert fake.nvmlLib is not None and not isinstance(fake.nvmlLib, str)  # our CDLL, not the default
+    assert status["state"] == "ready" and b.status()["state"] == "closed"
+    assert status["library"] == str(tmp_path / "driver-root" / LIB_DIR / "libnvidia-ml.so.550.54.15")
+
+
+async def test_library_named_by_the_driver_roots_linker_cache(tmp_path: Path) -> None:
+    fake = h100_node(library_missing=True)
+    b = backend(fake, tmp_path)
+    root = tmp_path / "driver-root"
+    _library(root, "opt/nvidia/lib")  # not one of the usual directories
+    (root / "etc").mkdir()
+    (root / "etc/ld.so.cache").write_bytes(ldcache.build([("libnvidia-ml.so.1", "/opt/nvidia/lib/libnvidia-ml.so.1")]))
+    await b.open()
+    assert len(await b.load()) == 8
+    await b.close()
+
+
+async def test_waits_for_the_driver_then_serves_its_gpus_without_a_restart(tmp_path: Path) -> None:
+    """A driver container becomes ready after the agent: no GPUs (with the reason), then GPUs."""
+    fake = h100_node(library_missing=True)
+    b = backend(fake, tmp_path, required=True)
+    await b.open()  # no error: the driver may still come
+    first = await b.load()
+    assert first.gpus == () and first.backend == "nvml"
+    assert "libnvidia-ml.so.1 not found under" in single_line(first.reason)
+    assert str(tmp_path / "driver-root") in first.reason
+    ready, detail = b.readiness()
+    assert not ready and "waiting for NVML" in single_line(detail)
+    assert b.status()["state"] == "waiting"
+
+    _library(tmp_path / "driver-root")
+    second = await b.load()
+    assert len(second.gpus) == 8 and second.reason == ""
+    assert b.readiness()[0]
+    await b.close()
+    assert fake.shutdown_calls == 1
+
+
+async def test_auto_mode_is_ready_while_it_waits(tmp_path: Path) -> None:
+    b = backend(h100_node(library_missing=True), tmp_path, required=False)
+    await b.open()
+    assert (await b.load()).gpus == ()
+    ready, detail = b.readiness()
+    assert ready and "waiting for NVML" in detail
+    await b.close()
+
+
+async def test_a_file_that_is_not_a_library_is_reported(tmp_path: Path) -> None:
+    fake = h100_node(library_missing=True)
+    b = backend(fake, tmp_path)
+    lib = tmp_path / "driver-root" / LIB_DIR
+    lib.mkdir(parents=True)
+    (lib / "libnvidia-ml.so.1").write_text("not an ELF file")
+    await b.open()
+    inventory = await b.load()
+    assert inventory.gpus == () and "cannot load" in single_line(inventory.reason)
+    await b.close()
+
+
+async def test_init_failure_is_the_reason_and_is_retried(tmp_path: Path) -> None:
+    fake = h100_node(init_error=fake_pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+    b = backend(fake, tmp_path)
+    await b.open()
+    inventory = await b.load()
+    assert inventory.gpus == () and "Driver Not Loaded" in single_line(inventory.reason)
+    fake.init_error = None  # the kernel module is loaded now
+    assert len(await b.load()) == 8
+    await b.close()
+    assert b.status()["init_attempts"] == 3  # open, the first load, the second load
+
+
+async def test_default_module_is_pynvml_imported_in_open(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = FakeNvml([])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert await nvml_available() is False  # initialises, sees no GPU, shuts down
-    backend = NvmlBackend(health=CHECKS)
-    await backend.open()
-    assert fake.init_count == 1 and fake.shutdown_calls == 1
-    await backend.close()
+    b = NvmlBackend(health=CHECKS, driver_root=tmp_path)
+    await b.open()
+    assert fake.init_count == 1
+    await b.close()
+    assert fake.shutdown_calls == 1
 
 
 async def test_binding_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # makes "import pynvml" raise ImportError
-    assert await nvml_available() is False
     with pytest.raises(LibraryMissingError) as info:
         await NvmlBackend(health=CHECKS).open()
-    assert "nvidia-ml-py" in _single_line(info.value)
+    assert "nvidia-ml-py" in single_line(info.value)
 
 
 def test_importing_the_backend_does_not_import_pynvml() -> None:
-    code = "import sys, agent.inventory.nvml; assert 'pynvml' not in sys.modules"
+    code = "import sys, agent.inventory.nvml, agent.inventory.factory; assert 'pynvml' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
 async def test_close_is_idempotent_and_load_needs_open(tmp_path: Path) -> None:
     fake = h100_node()
-    backend = NvmlBackend(health=CHECKS, nvml=fake)
+    b = backend(fake, tmp_path)
     with pytest.raises(BackendError):
-        await backend.load()
-    await backend.open()
-    await backend.close()
-    await backend.close()
+        await b.load()
+    await b.open()
+    await b.close()
+    await b.close()
     assert fake.shutdown_calls == 1 and fake.init_count == 0
 
 
-# --- inventory -----------------------------------------------------------------------------
+# --- the factory ----------------------------------------------------------------------------
+
+
+def _config(backend_name: str, tmp_path: Path) -> Config:
+    return Config(backend=backend_name, paths=PathsConfig(driver_root=tmp_path))  # type: ignore[arg-type]
+
+
+async def test_factory_nvml_without_a_driver_opens_and_is_not_ready(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", h100_node(library_missing=True))
+    b = await open_backend(_config("nvml", tmp_path))
+    assert isinstance(b, NvmlBackend) and (await b.load()).gpus == ()
+    assert b.readiness()[0] is False
+    await b.close()
+
+
+async def test_factory_auto_without_a_driver_keeps_looking(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = h100_node(library_missing=True)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    b = await open_backend(_config("auto", tmp_path))
+    assert isinstance(b, NvmlBackend) and b.readiness()[0]
+    assert (await b.load()).gpus == ()
+    _library(tmp_path)
+    assert len(await b.load()) == 8
+    await b.close()
+
+
+async def test_factory_without_the_binding(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    auto = await open_backend(_config("auto", tmp_path))
+    assert isinstance(auto, NullBackend)
+    inventory = await auto.load()
+    assert inventory.gpus == () and "nvidia-ml-py" in inventory.reason
+    with pytest.raises(LibraryMissingError):
+        await open_backend(_config("nvml", tmp_path))
+
+
+# --- inventory -------------------------------------------------------------------------------
 
 
 async def test_h100_node_inventory(tmp_path: Path) -> None:
     fake = h100_node()
-    backend = await _open(fake, tmp_path)
-    inventory = await backend.load()
-    await backend.close()
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
 
     assert threading.get_ident() not in fake.call_threads()  # nothing ran on the loop thread
     assert (inventory.backend, inventory.driver_version, inventory.cuda_driver_version) == ("nvml", "550.54.15", "12.4")
     assert [g.index for g in inventory] == list(range(8))
     gpu = inventory.gpus[1]
     assert gpu.uuid == fake.gpus[1].uuid
-    assert (gpu.minor, gpu.product_name, gpu.architecture, gpu.compute_capability) == (
+    assert (gpu.minor, gpu.product_name, gpu.architecture, gpu.compute_capability, gpu.brand) == (
         1,
         "NVIDIA H100 80GB HBM3",
         "hopper",
         "9.0",
+        "Nvidia",
     )
     assert (gpu.memory_mib, gpu.pci_bus_id, gpu.short_bus_id) == (81559, "00000000:2A:00.0", "0000:2a:00.0")
     assert [g.numa_node for g in inventory] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [g.pcie_root for g in inventory] == ["pci0000:00"] * 4 + ["pci0000:80"] * 4
     assert not any(g.mig_enabled or g.mig_devices for g in inventory)
+    assert inventory.problems == ()
 
     uuids = [g.uuid for g in inventory]
     assert len(inventory.links) == 28
     for i, a in enumerate(uuids):
-        for j, b in enumerate(uuids[i + 1 :], start=i + 1):
-            link = inventory.link(a, b)
+        for j, b2 in enumerate(uuids[i + 1 :], start=i + 1):
+            link = inventory.link(a, b2)
             assert link.nvlinks == 18, (i, j)
             same_switch, same_socket = i // 2 == j // 2, i // 4 == j // 4
             expected = PcieLevel.SINGLE if same_switch else PcieLevel.NODE if same_socket else PcieLevel.SYSTEM
@@ -232,12 +267,11 @@ async def test_h100_node_inventory(tmp_path: Path) -> None:
 
 async def test_a100_mig_node_inventory(tmp_path: Path) -> None:
     fake = a100_mig_node()
-    numa = {"0000:07:00.0": "0", "0000:0f:00.0": "0", "0000:47:00.0": "1", "0000:4e:00.0": "-1"}
-    backend = await _open(fake, tmp_path, numa=numa)
-    inventory = await backend.load()
-    await backend.close()
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
 
-    assert [g.numa_node for g in inventory] == [0, 0, 1, None]  # sysfs fallback; -1 means none
+    assert [g.numa_node for g in inventory] == [0, 0, 1, None]  # -1 in sysfs means none
     assert {(g.architecture, g.compute_capability, g.memory_mib) for g in inventory} == {("ampere", "8.0", 40960)}
     assert [g.mig_enabled for g in inventory] == [True, True, False, True]
 
@@ -252,256 +286,170 @@ async def test_a100_mig_node_inventory(tmp_path: Path) -> None:
     for mig in gpu0.mig_devices:
         assert mig.parent_uuid == gpu0.uuid
         # capability minors are keyed by the parent's minor (2), not its index (0)
-        assert mig.gi_cap_minor == _mig_minor(2, mig.gpu_instance_id)
-        assert mig.ci_cap_minor == _mig_minor(2, mig.gpu_instance_id, mig.compute_instance_id)
+        assert mig.gi_cap_minor == mig_minor(2, mig.gpu_instance_id)
+        assert mig.ci_cap_minor == mig_minor(2, mig.gpu_instance_id, mig.compute_instance_id)
     assert [m.profile for m in inventory.gpus[1].mig_devices] == ["7g.40gb"]
     assert inventory.gpus[2].mig_devices == ()
     assert [m.profile for m in inventory.gpus[3].mig_devices] == ["2g.10gb"]  # derived: name has no profile
     assert inventory.find_mig(gpu0.mig_devices[2].uuid) == gpu0.mig_devices[2]
 
     uuids = [g.uuid for g in inventory]
-    assert {inventory.link(a, b).nvlinks for a in uuids for b in uuids if a < b} == {4}
+    assert {inventory.link(a, c).nvlinks for a in uuids for c in uuids if a < c} == {4}
     assert inventory.link(uuids[0], uuids[1]).pcie is PcieLevel.SINGLE
     assert inventory.link(uuids[1], uuids[2]).pcie is PcieLevel.SYSTEM
 
 
-async def test_mig_minors_unknown_without_the_proc_file(tmp_path: Path) -> None:
-    backend = await _open(a100_mig_node(), tmp_path, mig_minors=False)
-    inventory = await backend.load()
-    await backend.close()
+async def test_mig_minors_and_sysfs_facts_unknown_without_their_files(tmp_path: Path) -> None:
+    b = await opened(a100_mig_node(), tmp_path, sysfs=False, mig_minors=False)
+    inventory = await b.load()
+    await b.close()
     migs = [m for g in inventory for m in g.mig_devices]
     assert migs and all(m.gi_cap_minor is None and m.ci_cap_minor is None for m in migs)
-    assert inventory.gpus[0].numa_node is None  # no sysfs either
+    assert all(g.numa_node is None and g.pcie_root is None for g in inventory)
 
 
-async def test_load_on_a_lost_gpu_raises_gpu_lost_error(tmp_path: Path) -> None:
-    fake = h100_node()
-    fake.gpus[3].lost = True
-    backend = await _open(fake, tmp_path)
-    with pytest.raises(GpuLostError) as info:
-        await backend.load()
-    await backend.close()
-    message = _single_line(info.value)
-    assert "GPU 3" in message and "GPU is lost" in message
-
-
-# --- periodic checks ------------------------------------------------------------------------
-
-
-async def test_periodic_check_reports_a_lost_gpu(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path)
-    inventory = await backend.load()
-    lost = inventory.gpus[3].uuid
-    async with _watching(backend, inventory) as signals:
-        ok = await _next(signals, lambda s: s.kind is SignalKind.CHECK_OK and s.uuid == lost)
-        assert ok.uuid == lost
-        fake.gpus[3].lost = True
-        signal = await _next(signals, _not_ok)
-        assert (signal.uuid, signal.kind) == (lost, SignalKind.LOST)
-        # the other GPUs keep passing
-        others = {g.uuid for g in inventory} - {lost}
-        seen: set[str] = set()
-        while seen != others:
-            signal = await _next(signals, lambda s: s.uuid != lost)
-            assert signal.kind is SignalKind.CHECK_OK
-            seen.add(signal.uuid)
-    assert threading.get_ident() not in fake.call_threads()
+async def test_grace_numa_node_is_the_cpu_side_node_from_sysfs(tmp_path: Path) -> None:
+    """On GH200/GB200 NVML names the GPU's own memory node (no CPUs); the kubelet needs the CPU's."""
+    fake = gh200_node()
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    assert fake.gpus[0].nvml_numa_node == 1
+    assert inventory.gpus[0].numa_node == 0
+    assert inventory.gpus[0].pcie_root == "pci0009:00"
+    assert "nvmlDeviceGetNumaNodeId" not in fake.call_names()
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "detail"),
-    [
-        ("uuid_readback", "GPU-somebody-else", "UUID read back"),
-        ("memory_total_override", 0, "total memory 0"),
-        ("memory_total_override", 2**62, "total memory"),
-        ("temperature", 0xFFFFFFFF, "temperature"),
-    ],
+    ("brand", "expected"),
+    [(fake_pynvml.NVML_BRAND_TESLA, "Tesla"), (fake_pynvml.NVML_BRAND_NVIDIA_RTX, "NvidiaRTX"), (99, "")],
 )
-async def test_periodic_check_reports_garbage(tmp_path: Path, field: str, value: object, detail: str) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path)
-    inventory = await backend.load()
-    setattr(fake.gpus[6], field, value)
-    async with _watching(backend, inventory) as signals:
-        signal = await _next(signals, _not_ok)
-    assert (signal.uuid, signal.kind) == (inventory.gpus[6].uuid, SignalKind.GARBAGE)
-    assert detail in signal.detail
+async def test_brand_as_nvidias_dra_driver_spells_it(tmp_path: Path, brand: int, expected: str) -> None:
+    fake = gh200_node()
+    fake.gpus[0].brand = brand
+    b = await opened(fake, tmp_path)
+    assert (await b.load()).gpus[0].brand == expected
+    await b.close()
+
+
+# --- reading device by device ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("error", "emits_ok"),
+    ("knob", "value", "problem"),
     [
-        (fake_pynvml.NVML_ERROR_UNKNOWN, False),  # inconclusive: nothing for that GPU
-        (RuntimeError("binding bug"), False),  # not even a bug stops the other GPUs
-        (fake_pynvml.NVML_ERROR_NOT_SUPPORTED, True),  # the field is skipped
+        ("no_permission", True, "GPU 2: getting its handle: Insufficient Permissions (NVML error 4)"),
+        ("lost", True, "GPU 2: getting its handle: GPU is lost (NVML error 15)"),
     ],
 )
-async def test_one_gpu_check_does_not_stop_the_others(tmp_path: Path, error: object, emits_ok: bool) -> None:
+async def test_one_unreadable_gpu_leaves_the_others(tmp_path: Path, knob: str, value: object, problem: str) -> None:
     fake = h100_node()
-    backend = await _open(fake, tmp_path)
-    inventory = await backend.load()
-    fake.gpus[2].temperature_error = error  # type: ignore[assignment]
-    odd = inventory.gpus[2].uuid
-    counts = dict.fromkeys((g.uuid for g in inventory), 0)
-    async with _watching(backend, inventory) as signals:
-        while min(n for uuid, n in counts.items() if uuid != odd) < 3:
-            signal = await _next(signals, lambda s: True)
-            assert signal.kind is SignalKind.CHECK_OK
-            counts[signal.uuid] += 1
-    assert (counts[odd] > 0) is emits_ok
+    setattr(fake.gpus[2], knob, value)
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    assert [g.index for g in inventory] == [0, 1, 3, 4, 5, 6, 7]  # indexes stay NVML's
+    assert inventory.problems == (problem,)
+    assert len(inventory.links) == 21
+    assert b.status()["problems"] == [problem]
 
 
-# --- events -------------------------------------------------------------------------------
+async def test_integrated_gpu_without_memory_info(tmp_path: Path) -> None:
+    fake = gh200_node()
+    fake.gpus[0].memory_supported = False  # NOT_SUPPORTED, as integrated GPUs answer
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    assert inventory.gpus[0].memory_mib == 0 and inventory.problems == ()
 
 
-async def test_xid_events_end_to_end_with_the_health_monitor(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    monitor = HealthMonitor(config=EVENTS)
-    monitor.set_inventory(inventory)
-    uuid = inventory.gpus[4].uuid
-    async with _watching(backend, inventory, also=monitor.observe) as signals:
-        await _waiting(fake)
-        fake.inject_event(4, XID, 13)  # an application Xid: reported, then ignored by policy
-        signal = await _next(signals, _not_ok)
-        assert (signal.uuid, signal.kind, signal.xid) == (uuid, SignalKind.XID, 13)
-        assert monitor.state(uuid) is HealthState.HEALTHY
-        fake.inject_event(4, XID, 79)  # fallen off the bus
-        signal = await _next(signals, _not_ok)
-        assert (signal.uuid, signal.xid) == (uuid, 79)
-    assert monitor.state(uuid) is HealthState.UNHEALTHY
-    record = monitor.record(uuid)
-    assert record is not None and record.reset_required
-    assert all(monitor.is_healthy(g.uuid) for g in inventory if g.uuid != uuid)
-    assert threading.get_ident() not in fake.call_threads()
-
-
-async def test_ecc_events(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    async with _watching(backend, inventory) as signals:
-        await _waiting(fake)
-        fake.inject_event(0, DBE)
-        fake.inject_event(7, SBE)
-        first, second = await _next(signals, _not_ok), await _next(signals, _not_ok)
-    assert (first.uuid, first.kind, first.xid) == (inventory.gpus[0].uuid, SignalKind.ECC_DOUBLE_BIT, None)
-    assert (second.uuid, second.kind) == (inventory.gpus[7].uuid, SignalKind.ECC_SINGLE_BIT)
-
-
-async def test_events_name_the_mig_device(tmp_path: Path) -> None:
+async def test_mig_slots_answering_invalid_argument_are_empty(tmp_path: Path) -> None:
     fake = a100_mig_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    gpu0, gpu1 = inventory.gpus[0], inventory.gpus[1]
-    async with _watching(backend, inventory) as signals:
-        await _waiting(fake)
-        fake.inject_event(0, XID, 43, gi=13, ci=0)  # exactly one MIG device
-        fake.inject_event(1, XID, 31, gi=0)  # GI only, and that GI has one CI
-        fake.inject_event(0, XID, 79, gi=9, ci=0)  # no such MIG device: the GPU
-        fake.inject_event(0, XID, 48)  # not about a MIG device
-        got = [await _next(signals, _not_ok) for _ in range(4)]
-    assert [(s.uuid, s.xid) for s in got] == [
-        (gpu0.mig_devices[2].uuid, 43),
-        (gpu1.mig_devices[0].uuid, 31),
-        (gpu0.uuid, 79),
-        (gpu0.uuid, 48),
-    ]
+    fake.gpus[0].invalid_mig_slots = frozenset({1, 3, 6})  # go-nvlib skips these like NOT_FOUND
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    assert [m.index for m in inventory.gpus[0].mig_devices] == [0, 2, 4, 5]
+    assert inventory.problems == ()
 
 
-async def test_event_wait_timeouts_just_loop(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    async with _watching(backend, inventory) as signals:
-        await _waiting(fake, 4)  # three waits timed out
-        assert all(not _not_ok(s) for s in [signals.get_nowait() for _ in range(signals.qsize())])
-        fake.inject_event(2, XID, 94)
-        signal = await _next(signals, _not_ok)
-    assert (signal.uuid, signal.xid) == (inventory.gpus[2].uuid, 94)
-    assert len(fake.event_sets) == 1
-
-
-async def test_unexpected_wait_error_is_logged_and_waiting_continues(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    with capture_logs() as logs:
-        async with _watching(backend, inventory) as signals:
-            await _waiting(fake)
-            fake.inject_wait_error(fake_pynvml.NVML_ERROR_UNKNOWN)
-            # the wait in progress times out, the next one fails, the one after the backoff waits again
-            await _waiting(fake, fake.wait_calls + 2)
-            fake.inject_event(1, XID, 62)
-            signal = await _next(signals, _not_ok)
-    assert (signal.uuid, signal.xid) == (inventory.gpus[1].uuid, 62)
-    assert any(e["event"] == "NVML event wait failed; retrying" for e in logs)
-
-
-async def test_gpu_lost_from_the_event_wait(tmp_path: Path) -> None:
-    fake = h100_node()
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    async with _watching(backend, inventory) as signals:
-        await _waiting(fake)
-        fake.gpus[5].lost = True
-        fake.inject_wait_error(fake_pynvml.NVML_ERROR_GPU_IS_LOST)
-        signal = await _next(signals, _not_ok)
-        assert (signal.uuid, signal.kind) == (inventory.gpus[5].uuid, SignalKind.LOST)
-        fake.gpus[5].lost = False
-        fake.inject_event(0, XID, 31)  # the wait goes on after the backoff
-        signal = await _next(signals, _not_ok)
-        assert (signal.uuid, signal.xid) == (inventory.gpus[0].uuid, 31)
-
-
-async def test_fewer_event_types_when_not_supported_logged_once(tmp_path: Path) -> None:
+async def test_a_mig_device_that_cannot_be_read_is_left_out(tmp_path: Path) -> None:
     fake = a100_mig_node()
-    fake.gpus[1].supported_events = XID | DBE
-    fake.gpus[2].supported_events = XID
-    backend = await _open(fake, tmp_path, health=EVENTS)
-    inventory = await backend.load()
-    with capture_logs() as logs:
-        for _ in range(2):  # a second watch (new inventory) does not repeat the line
-            async with _watching(backend, inventory):
-                await _waiting(fake, fake.wait_calls + 1)
-            await backend.open()
-    reduced = [e for e in logs if e["event"] == "GPU supports only some health event types"]
-    assert [(e["uuid"], e["events"]) for e in reduced] == [
-        (inventory.gpus[1].uuid, ["xid", "ecc-double-bit"]),
-        (inventory.gpus[2].uuid, ["xid"]),
-    ]
-    registrations = fake.event_sets[0].registrations
-    assert registrations[inventory.gpus[0].uuid] == XID | DBE | SBE
-    assert registrations[inventory.gpus[1].uuid] == XID | DBE
+    original = fake.nvmlDeviceGetComputeInstanceId
+
+    def refuse_one(handle: fake_pynvml.Handle) -> int:
+        if handle.mig is not None and handle.mig.gi == 5:
+            raise fake.NVMLError(fake.NVML_ERROR_NO_PERMISSION)
+        return original(handle)
+
+    fake.nvmlDeviceGetComputeInstanceId = refuse_one  # type: ignore[method-assign]
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    assert [m.gpu_instance_id for m in inventory.gpus[0].mig_devices] == [1, 13, 14]
+    assert len(inventory.problems) == 1
+    assert "MIG device 2: reading its compute instance id" in inventory.problems[0]
+    assert "MIG device left out" in inventory.problems[0]
 
 
-async def test_cancellation_stops_the_event_thread_promptly(tmp_path: Path) -> None:
+async def test_a_gpu_lost_after_a_good_read_keeps_its_record(tmp_path: Path) -> None:
     fake = h100_node()
-    backend = await _open(fake, tmp_path, health=HealthConfig(check_interval_s=3600, event_wait_ms=50))
-    inventory = await backend.load()
-    task = asyncio.create_task(backend.watch_health(inventory, lambda s: None))
-    await _waiting(fake)
-    assert any(t.name == "nvml-events" for t in threading.enumerate())
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 0.5)  # about one event_wait_ms, with slack
-    assert not any(t.name == "nvml-events" for t in threading.enumerate())
-    assert [s.freed for s in fake.event_sets] == [True]
-    await backend.close()
+    b = await opened(fake, tmp_path)
+    first = await b.load()
+    fake.gpus[5].lost = True
+    second = await b.load()
+    await b.close()
+    assert second.gpus == first.gpus  # still listed: its health check reports it lost
+    assert second.links == first.links
+    assert len(second.problems) == 1 and "GPU 5" in second.problems[0]
+    assert "keeping its last known record" in second.problems[0]
 
 
-async def test_health_disabled_only_waits(tmp_path: Path) -> None:
+async def test_node_wide_failure(tmp_path: Path) -> None:
+    """Before a first good read the failure is the empty inventory's reason; after, an error."""
     fake = h100_node()
-    backend = await _open(fake, tmp_path, health=HealthConfig(enabled=False))
-    inventory = await backend.load()
-    before = len(fake.call_names())
-    task = asyncio.create_task(backend.watch_health(inventory, lambda s: pytest.fail(f"signal {s}")))
-    done, _ = await asyncio.wait({task}, timeout=0.05)
-    assert not done
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, 0.5)
-    assert len(fake.call_names()) == before and fake.event_sets == []
-    await backend.close()
+    b = await opened(fake, tmp_path)
+    good = fake.nvmlDeviceGetCount
+    fake.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(fake.NVMLError(fake.NVML_ERROR_UNKNOWN))  # type: ignore[method-assign]
+    first = await b.load()
+    assert first.gpus == () and "counting GPUs: Unknown Error" in single_line(first.reason)
+    fake.nvmlDeviceGetCount = good  # type: ignore[method-assign]
+    assert len(await b.load()) == 8
+    fake.nvmlDeviceGetCount = lambda: (_ for _ in ()).throw(fake.NVMLError(fake.NVML_ERROR_UNKNOWN))  # type: ignore[method-assign]
+    with pytest.raises(BackendError, match="counting GPUs"):
+        await b.load()  # the caller keeps the inventory it has
+    await b.close()
+
+
+def test_status_and_readiness_are_json_ready(tmp_path: Path) -> None:
+    import json
+
+    b = backend(h100_node(), tmp_path, required=True)
+    json.dumps(b.status())
+    assert b.readiness() == (False, "waiting for NVML: not tried yet")
+    assert NullBackend("why").readiness() == (True, "why")
+    assert os.fspath(tmp_path) in str(b.status()["driver_root"])
+
+
+async def test_health_config_default_is_used_until_updated(tmp_path: Path) -> None:
+    b = backend(h100_node(), tmp_path)
+    b.update_health_config(HealthConfig(check_interval_s=7, event_wait_ms=300))
+    health = b.status()["health"]
+    assert health == {"enabled": True, "check_interval_s": 7, "event_wait_ms": 300}
+
+
+async def test_inventory_views_show_what_could_not_be_read(tmp_path: Path) -> None:
+    from agent.inventory.model import Inventory
+    from agent.inventory.render import inventory_json, inventory_table
+
+    fake = h100_node()
+    fake.gpus[6].no_permission = True
+    b = await opened(fake, tmp_path)
+    inventory = await b.load()
+    await b.close()
+    table = inventory_table(inventory)
+    assert "could not read:" in table and "GPU 6: getting its handle: Insufficient Permissions" in table
+    doc = inventory_json(inventory)
+    assert doc["problems"] == list(inventory.problems) and doc["gpus"][0]["pcie_root"] == "pci0000:00"
+    empty = inventory_table(Inventory.empty("nvml", reason="libnvidia-ml.so.1 not found under /driver-root"))
+    assert "no GPUs on this node: libnvidia-ml.so.1 not found under /driver-root" in empty

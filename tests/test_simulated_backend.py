@@ -311,6 +311,37 @@ async def test_fault_without_xid_holds_checks_until_healed(sim: Harness) -> None
     await sim.wait_for_checks(gpu.uuid, 1)
 
 
+async def test_check_interval_applies_live() -> None:
+    sim = await start(health=HealthConfig(check_interval_s=3600, recovery_quiet_s=0.0))
+    try:
+        uuid = sim.inventory.gpus[0].uuid
+        sim.backend.update_health_config(FAST)  # wakes the hour-long sleep
+        await sim.wait_for_checks(uuid, 3)
+        assert sim.backend.readiness()[0] and sim.backend.status()["preset"] == "a100-4x-mig"
+    finally:
+        sim.task.cancel()
+        await asyncio.gather(sim.task, return_exceptions=True)
+
+
+async def test_presets_have_a_brand_and_a_pcie_root_per_numa_node() -> None:
+    h100 = await inventory_of("h100-8x-nvlink")
+    assert {g.brand for g in h100} == {"Nvidia"}
+    assert [g.pcie_root for g in h100] == ["pci0000:00"] * 4 + ["pci0000:80"] * 4
+    workstation = await inventory_of("workstation-2x-pcie")
+    assert {(g.brand, g.pcie_root) for g in workstation} == {("NvidiaRTX", "pci0000:00")}
+
+
+async def test_preset_file_brand_and_pcie_root(tmp_path: Path) -> None:
+    path = tmp_path / "node.yaml"
+    base = "defaults: {product_name: L4, architecture: ada, compute_capability: '8.9', memory_mib: 23034}\n"
+    path.write_text(base + "gpus: [{brand: GeForce, pcie_root: pci0000:3a}, {numa_node: 3}]\n")
+    inv = await inventory_of(str(path))
+    assert [(g.brand, g.pcie_root) for g in inv] == [("GeForce", "pci0000:3a"), ("Nvidia", "pci0003:00")]
+    path.write_text(base + "gpus: [{pcie_root: '0000:3a'}]\n")
+    with pytest.raises(ConfigError, match=r"gpus\[0\]\.pcie_root: expected pci<domain>:<bus>"):
+        await inventory_of(str(path))
+
+
 async def test_unknown_device(sim: Harness) -> None:
     for device in ("GPU-00000000-0000-0000-0000-000000000000", "9", "MIG-nope", ""):
         with pytest.raises(DeviceNotFoundError, match="no simulated device"):

@@ -18,9 +18,10 @@ import typer
 
 from agent.cdi import generate
 from agent.cdi import spec as cdi_spec
-from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
+from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, InvalidSpecError, SpecWriteError
+from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.writer import atomic_write, read_spec_file, spec_files
 from agent.config.schema import CdiConfig, Config, PathsConfig
 from agent.errors import AgentError
@@ -50,7 +51,8 @@ def render_device_plugin_spec(
     (None: the same), exactly as the agent's own specs do.
     """
     if not len(inventory):
-        raise CdiError("this node has no GPUs: there is no device plugin spec to generate")
+        why = f" ({inventory.reason})" if inventory.reason else ""
+        raise CdiError(f"this node has no GPUs{why}: there is no device plugin spec to generate")
     discovery = DriverDiscovery(
         driver_root, host_driver_root=host_driver_root, hook_path=hook_path, hook_candidates=hook_candidates
     )
@@ -109,7 +111,7 @@ def check_directory(directory: Path) -> tuple[list[str], int, int]:
 async def _load_inventory(config: Config) -> Inventory:
     from agent.inventory.factory import open_backend  # type: ignore[import-not-found,unused-ignore]
 
-    backend = await open_backend(config)
+    backend = await open_backend(config, wait_for_driver=False)
     try:
         inventory: Inventory = await backend.load()
     finally:

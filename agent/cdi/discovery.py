@@ -2,52 +2,48 @@
 
 The driver root is ``/`` or a driver container's root (e.g. ``/run/nvidia/driver``). Paths
 inside it are what a container sees; the same path prefixed with the root is the host
-path. Device nodes live under the driver root when it has ``dev/nvidiactl``, otherwise
-under the host's ``/dev`` (a driver container creates its nodes on the host).
+path. Device nodes are taken, in order, from ``<driver root>/dev`` when it has ``nvidiactl``
+(a driver container's own nodes), from the host's live ``/dev`` when the agent sees the
+host's ``/`` (:meth:`~agent.cdi.roots.RootMapping.visible_host_root`), and otherwise from
+the agent's own ``/dev``. In a pod that last one is a copy made when the container was
+created: nodes the driver creates later (``nvidia-uvm``, ``nvidia-caps``) are missing from it
+until the pod restarts, which is logged once; mount the host's ``/`` to avoid it.
 
 Everything is looked at under the root as the agent sees it (``driver_root``); every host
 path put into a node, mount or hook goes through one :class:`~agent.cdi.roots.RootMapping`,
 so a pod that mounts the host's ``/run/nvidia/driver`` at ``/driver-root`` writes specs
-that name ``/run/nvidia/driver/...`` (``host_driver_root``). The hook binary is the host's
-``hook_path`` when one is configured (taken as given: the agent may not see it), else the
-first executable of ``hook_candidates``.
+that name ``/run/nvidia/driver/...`` (``host_driver_root``). The hook binary is found by
+:class:`~agent.cdi.hooks.HookLocator`.
 
-Required: the root itself, exactly one driver version (``libnvidia-ml.so.<version>``),
-``libcuda.so.<version>`` and ``/dev/nvidiactl``; without one of them
-:class:`DriverDiscoveryError` names the path. Everything else is optional, logged once
-when it goes missing and skipped. A GPU or MIG node that is missing is left out of
-``gpu_nodes``/``cap_nodes``, so no spec names hardware that is gone.
+Required: the root itself, one driver version (``libnvidia-ml.so.<version>``; when the root
+holds several, the one NVML reports is used), ``libcuda.so.<version>`` and ``/dev/nvidiactl``;
+without one of them :class:`DriverDiscoveryError` names the path. Everything else (control
+nodes, DRM nodes, utilities, firmware, IPC sockets, the MPS pipe directory, the hook) is
+optional, logged once when it goes missing and skipped. A GPU or MIG node that is missing is
+left out of ``gpu_nodes``/``cap_nodes``, so no spec names hardware that is gone.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import structlog
 
-from agent.cdi import ldcache
+from agent.cdi.devnodes import GpuDrm, gpu_drm, stat_node
 from agent.cdi.errors import DriverDiscoveryError
+from agent.cdi.hooks import HOOK_CANDIDATES, HookBinary, HookLocator, driver_hooks, symlink_hook
 from agent.cdi.roots import RootMapping
 from agent.cdi.spec import ContainerEdits, DeviceNode, Hook, Mount
+from agent.driverroot import LIBRARY_DIRS, in_root, library_listing, resolve_in_root
 from agent.inventory.model import Gpu, MigDevice
+
+__all__ = ["HOOK_CANDIDATES", "LIBRARY_DIRS", "DriverDiscovery", "DriverFiles", "resolve_in_root"]
 
 log = structlog.get_logger("agent.cdi")
 
-LIBRARY_DIRS = (
-    "/usr/lib/x86_64-linux-gnu",
-    "/usr/lib/aarch64-linux-gnu",
-    "/usr/lib64",
-    "/lib/x86_64-linux-gnu",
-    "/lib/aarch64-linux-gnu",
-    "/lib64",
-    "/usr/lib",
-    "/usr/local/nvidia/lib64",
-)
 UTILITIES = (
     "nvidia-smi",
     "nvidia-debugdump",
@@ -59,18 +55,14 @@ UTILITY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
 CONTROL_NODES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")  # optional
 CTL_NODE = "/dev/nvidiactl"  # required
 IPC_SOCKETS = ("/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket")
+#: the MPS control daemon's default pipe directory: clients reach the daemon through it
+MPS_PIPE_DIR = "/tmp/nvidia-mps"
 FIRMWARE_DIRS = ("/lib/firmware/nvidia", "/usr/lib/firmware/nvidia")
-#: host paths of the toolkit's hook binary, in order of preference (runtimes run hooks on the host)
-HOOK_CANDIDATES = (
-    Path("/usr/bin/nvidia-cdi-hook"),
-    Path("/usr/local/bin/nvidia-cdi-hook"),
-    Path("/usr/local/nvidia/toolkit/nvidia-cdi-hook"),
-    Path("/usr/bin/nvidia-ctk"),
-    Path("/usr/local/nvidia/toolkit/nvidia-ctk"),
-)
 READ_ONLY = ("ro", "nosuid", "nodev", "rbind", "rprivate")
 IPC_OPTIONS = (*READ_ONLY, "noexec")
 VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"  # keeps the legacy runtime hook from acting too
+#: where the injected libcuda lives in the container, for the enable-cuda-compat hook
+LIBCUDA_DIR_ENV = "NVIDIA_CTK_LIBCUDA_DIR"
 
 _VERSION = r"\d+\.\d+(?:\.\d+)?"
 _ANCHOR = re.compile(rf"^lib(nvidia-ml|cuda)\.so\.({_VERSION})$")
@@ -101,20 +93,27 @@ class DriverFiles:
     mounts: tuple[Mount, ...]
     hooks: tuple[Hook, ...]
     missing: tuple[str, ...] = field(default=())  # optional pieces that were skipped
+    env: tuple[str, ...] = (VISIBLE_DEVICES_VOID,)
+    drm: Mapping[str, GpuDrm] = field(default_factory=dict)  # by GPU bus id (sysfs form)
+    hook: HookBinary | None = None
 
     def common_edits(self) -> ContainerEdits:
         """Edits every device of a spec needs: control nodes, libraries, utilities, hooks."""
         return ContainerEdits(
-            env=(VISIBLE_DEVICES_VOID,),
+            env=self.env,
             device_nodes=self.control_nodes,
             mounts=self.mounts,
             hooks=self.hooks,
         )
 
     def gpu_edits(self, gpu: Gpu) -> ContainerEdits | None:
-        """The GPU's node; None when it is missing on the host."""
+        """The GPU's node, its DRM nodes and by-path links; None when its node is missing on the host."""
         node = self.gpu_nodes.get(gpu.minor)
-        return ContainerEdits(device_nodes=(node,)) if node is not None else None
+        if node is None:
+            return None
+        drm = self.drm.get(gpu.short_bus_id, GpuDrm())
+        hooks = (symlink_hook(self.hook, drm.links),) if self.hook is not None and drm.links else ()
+        return ContainerEdits(device_nodes=(node, *drm.nodes), hooks=hooks)
 
     def mig_edits(self, gpu: Gpu, mig: MigDevice) -> ContainerEdits | None:
         """The parent's node and the GI and CI capability nodes; None when one is missing."""
@@ -129,39 +128,11 @@ class DriverFiles:
         return ContainerEdits(device_nodes=present) if len(present) == len(nodes) else None
 
 
-def resolve_in_root(root: Path, path: str) -> str | None:
-    """``path`` with symlinks followed as if ``root`` were ``/``; None if it does not exist."""
-    parts = list(PurePosixPath(path).parts[1:])
-    current = PurePosixPath("/")
-    hops = 0
-    while parts:
-        part = parts.pop(0)
-        if part in ("", "."):
-            continue
-        if part == "..":
-            current = current.parent
-            continue
-        candidate = current / part
-        host = root / str(candidate).lstrip("/")
-        try:
-            mode = host.lstat().st_mode
-        except OSError:
-            return None
-        if stat.S_ISLNK(mode):
-            hops += 1
-            if hops > 40:
-                return None
-            target = PurePosixPath(os.readlink(host))
-            if target.is_absolute():
-                current = PurePosixPath("/")
-            parts = list(target.parts[1:] if target.is_absolute() else target.parts) + parts
-            continue
-        current = candidate
-    return str(current)
-
-
 class DriverDiscovery:
-    """Looks at a driver root. Keeps which optional pieces it already reported missing."""
+    """Looks at a driver root. Keeps which optional pieces it already reported missing.
+
+    ``sysfs_root`` is where the GPUs' DRM nodes are listed (``/sys``; a tree in tests).
+    """
 
     def __init__(
         self,
@@ -171,44 +142,60 @@ class DriverDiscovery:
         hook_path: Path | None = None,
         hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
         machine: str | None = None,
+        sysfs_root: Path = Path("/sys"),
     ) -> None:
         self.driver_root = driver_root
         self.roots = RootMapping(driver_root, host_driver_root if host_driver_root is not None else driver_root)
-        self._hook_path = hook_path
-        self._hook_candidates = tuple(hook_candidates)
+        self._hooks = HookLocator(self.roots, hook_path=hook_path, candidates=hook_candidates)
         self._machine = machine
+        self._sysfs_root = sysfs_root
         self._reported: set[str] = set()
+        self._said: set[str] = set()  # one-time notes already logged
 
     # -- entry point ----------------------------------------------------------------------
 
-    def discover(self, gpu_minors: Iterable[int] = (), cap_minors: Iterable[int] = ()) -> DriverFiles:
-        """Blocking file I/O: call through ``asyncio.to_thread`` from the loop."""
+    def discover(
+        self,
+        gpu_minors: Iterable[int] = (),
+        cap_minors: Iterable[int] = (),
+        *,
+        buses: Iterable[str] = (),
+        driver_version: str = "",
+    ) -> DriverFiles:
+        """Blocking file I/O: call through ``asyncio.to_thread`` from the loop.
+
+        ``buses``: the GPUs' PCI bus ids (for their DRM nodes); ``driver_version``: the
+        version NVML reports, which picks the libraries when the root holds several.
+        """
         root = self.driver_root
         if not root.is_dir():
             raise DriverDiscoveryError(f"driver root {root} does not exist or is not a directory")
         missing: list[str] = []
-        dev_root = root if (root / CTL_NODE.lstrip("/")).exists() else Path("/")
-        libraries, version, links = self._libraries(root)
-        ctl = self._node(dev_root, CTL_NODE)
+        dev_root = self._dev_root()
+        libraries, version, links = self._libraries(root, driver_version)
+        ctl = stat_node(dev_root, CTL_NODE, self.roots)
         if ctl is None:
             raise DriverDiscoveryError(f"required device node {dev_root / CTL_NODE.lstrip('/')} is missing")
         controls = [ctl]
         for path in CONTROL_NODES:
-            node = self._node(dev_root, path)
+            node = stat_node(dev_root, path, self.roots)
             if node is None:
                 missing.append(str(dev_root / path.lstrip("/")))
             else:
                 controls.append(node)
         gpu_nodes = self._nodes(dev_root, {m: gpu_node_path(m) for m in gpu_minors}, missing)
         cap_nodes = self._nodes(dev_root, {m: cap_node_path(m) for m in cap_minors}, missing)
-        hook = self._hook_binary(missing)
+        drm = {bus: gpu_drm(self._sysfs_root, dev_root, bus, self.roots, missing) for bus in buses}
+        hook = self._hooks.locate()
+        if hook is None:
+            missing.extend(str(c) for c in self._hooks.candidates[:1])
         mounts = [self._mount(root, p) for p in libraries]
         if hook is None:  # without the ldcache hook, the SONAME links must arrive as files
             mounts.extend(self._mount(root, p) for p in links)
         mounts.extend(self._utilities(root, missing))
         mounts.extend(self._firmware(root, version, missing))
-        mounts.extend(self._sockets(root, missing))
-        hooks = self._hooks(hook, libraries) if hook is not None else ()
+        mounts.extend(self._ipc(root, missing))
+        hooks = driver_hooks(hook, libraries, version) if hook is not None else ()
         self._report(missing)
         return DriverFiles(
             driver_root=root,
@@ -220,22 +207,34 @@ class DriverDiscovery:
             mounts=tuple(mounts),
             hooks=hooks,
             missing=tuple(missing),
+            env=self._env(libraries),
+            drm=drm,
+            hook=hook,
         )
 
-    # -- libraries --------------------------------------------------------------------------
+    def _dev_root(self) -> Path:
+        """Where device nodes are stat'ed: the driver root's, the host's live /dev, or our own."""
+        root = self.driver_root
+        if (root / CTL_NODE.lstrip("/")).exists():
+            return root
+        visible = self.roots.visible_host_root()
+        if visible is not None and (visible / CTL_NODE.lstrip("/")).exists():
+            return visible
+        if root != Path("/"):
+            self._once(
+                "pod-dev",
+                "cdi.device_nodes_from_own_dev",
+                reason=f"no {CTL_NODE} under {root}, and the host's / is not visible",
+                action="using this container's /dev, which misses nodes created after it started",
+            )
+        return Path("/")
 
-    def _cache_paths(self, root: Path) -> list[str]:
-        cache = root / "etc/ld.so.cache"
-        try:
-            data = cache.read_bytes()
-        except OSError:
-            return []
-        try:
-            entries = ldcache.native_libraries(ldcache.parse(data), self._machine)
-        except ldcache.LdCacheError as exc:
-            log.warning("cdi.ldcache_unreadable", path=str(cache), error=str(exc), action="scanning library dirs")
-            return []
-        return [e.path for e in entries]
+    def _once(self, key: str, event: str, **fields: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(event, **fields)
+
+    # -- libraries --------------------------------------------------------------------------
 
     def installed_versions(self) -> set[str]:
         """Driver versions whose ``libnvidia-ml``/``libcuda`` lie under the root; empty: no driver.
@@ -246,43 +245,44 @@ class DriverDiscovery:
         root = self.driver_root
         if not root.is_dir():
             raise DriverDiscoveryError(f"driver root {root} does not exist or is not a directory")
-        _, listing = self._library_listing(root)
-        return _versions(listing)
+        return _versions(library_listing(root, self._machine).directories)
 
-    def _library_listing(self, root: Path) -> tuple[list[str], dict[str, list[str]]]:
-        """(linker cache paths, {library dir: file names}) of the directories that may hold the driver."""
-        cached = self._cache_paths(root)
-        dirs: list[str] = []
-        for path in cached:
-            name = PurePosixPath(path).name
-            if name.startswith(("libnvidia-ml.so", "libcuda.so")):
-                real = resolve_in_root(root, path)
-                if real is not None:
-                    dirs.append(str(PurePosixPath(real).parent))
-        if not dirs:  # no cache, or a cache that does not know the driver: scan the usual places
-            dirs = [d for d in LIBRARY_DIRS if resolve_in_root(root, d) is not None]
-        dirs = list(dict.fromkeys(resolve_in_root(root, d) or d for d in dirs))
-        listing: dict[str, list[str]] = {}
-        for d in dirs:
-            try:
-                listing[d] = sorted(os.listdir(root / d.lstrip("/")))
-            except OSError:
-                continue
-        return cached, listing
-
-    def _libraries(self, root: Path) -> tuple[list[str], str, list[str]]:
-        """(versioned driver libraries, the driver version, links to them) as container paths."""
-        cached, listing = self._library_listing(root)
-        versions = _versions(listing)
+    def _pick_version(self, root: Path, versions: set[str], looked: str, driver_version: str) -> str:
         if not versions:
-            looked = ", ".join(str(root / d.lstrip("/")) for d in listing) or f"{root} (no library directories)"
             raise DriverDiscoveryError(f"no NVIDIA driver libraries (libnvidia-ml.so.<version>) found in {looked}")
-        if len(versions) > 1:
-            raise DriverDiscoveryError(
-                f"driver root {root} holds more than one NVIDIA driver version ({', '.join(sorted(versions))}); "
-                "remove the stale one or point paths.driver_root at one driver"
+        if len(versions) == 1:
+            version = next(iter(versions))
+            if driver_version and driver_version != version:
+                self._once(
+                    f"mismatch {driver_version} {version}",
+                    "cdi.driver_version_mismatch",
+                    nvml=driver_version,
+                    libraries=version,
+                    action="using the libraries' version (a driver upgrade in progress?)",
+                )
+            return version
+        listed = ", ".join(sorted(versions))
+        if driver_version in versions:
+            self._once(
+                f"several {listed}",
+                "cdi.several_driver_versions",
+                versions=listed,
+                chosen=driver_version,
+                reason="the version NVML reports",
             )
-        version = versions.pop()
+            return driver_version
+        running = f"; NVML reports {driver_version}" if driver_version else ""
+        raise DriverDiscoveryError(
+            f"driver root {root} holds more than one NVIDIA driver version ({listed}){running}; "
+            "remove the stale one or point paths.driver_root at one driver"
+        )
+
+    def _libraries(self, root: Path, driver_version: str) -> tuple[list[str], str, list[str]]:
+        """(versioned driver libraries, the driver version, links to them) as container paths."""
+        found = library_listing(root, self._machine)
+        cached, listing = list(found.cached), found.directories
+        looked = ", ".join(str(in_root(root, d)) for d in listing) or f"{root} (no library directories)"
+        version = self._pick_version(root, _versions(listing), looked, driver_version)
         suffix = f".so.{version}"
         libraries = [
             f"{d}/{n}" for d, names in listing.items() for n in names if n.startswith("lib") and n.endswith(suffix)
@@ -292,19 +292,25 @@ class DriverDiscovery:
         libraries = [p for p in libraries if resolve_in_root(root, p) == p]  # the files, not links to them
         for required in ("libnvidia-ml", "libcuda"):
             if not any(PurePosixPath(p).name == f"{required}{suffix}" for p in libraries):
-                where = ", ".join(str(root / d.lstrip("/")) for d in listing)
-                raise DriverDiscoveryError(f"required driver library {required}{suffix} not found in {where}")
+                raise DriverDiscoveryError(f"required driver library {required}{suffix} not found in {looked}")
         candidates = [f"{d}/{n}" for d, names in listing.items() for n in names] + cached
         links = sorted(
             {p for p in candidates if p not in libraries and ".so" in p and resolve_in_root(root, p) in real_files}
         )
         return sorted(set(libraries)), version, links
 
+    @staticmethod
+    def _env(libraries: list[str]) -> tuple[str, ...]:
+        cuda_dirs = dict.fromkeys(
+            str(PurePosixPath(p).parent) for p in libraries if PurePosixPath(p).name.startswith("libcuda.so.")
+        )
+        return (f"{LIBCUDA_DIR_ENV}={':'.join(cuda_dirs)}", VISIBLE_DEVICES_VOID)
+
     # -- other files ------------------------------------------------------------------------
 
     def _mount(self, root: Path, path: str, options: tuple[str, ...] = READ_ONLY) -> Mount:
         real = resolve_in_root(root, path) or path
-        host_path = self.roots.host_path(str(root / real.lstrip("/")))
+        host_path = self.roots.host_path(str(in_root(root, real)))
         return Mount(host_path=host_path, container_path=path, options=options)
 
     def _utilities(self, root: Path, missing: list[str]) -> list[Mount]:
@@ -313,7 +319,7 @@ class DriverDiscovery:
             for d in UTILITY_DIRS:
                 path = f"{d}/{name}"
                 real = resolve_in_root(root, path)
-                if real is not None and (root / real.lstrip("/")).is_file():
+                if real is not None and in_root(root, real).is_file():
                     out.append(self._mount(root, path))
                     break
             else:
@@ -326,13 +332,14 @@ class DriverDiscovery:
             real = resolve_in_root(root, directory)
             if real is None:
                 continue
-            files = sorted(p.name for p in (root / real.lstrip("/")).glob("gsp*.bin") if p.is_file())
+            files = sorted(p.name for p in in_root(root, real).glob("gsp*.bin") if p.is_file())
             if files:
                 return [self._mount(root, f"{directory}/{name}") for name in files]
         missing.append(str(root / FIRMWARE_DIRS[0].lstrip("/") / version / "gsp*.bin"))
         return []
 
-    def _sockets(self, root: Path, missing: list[str]) -> list[Mount]:
+    def _ipc(self, root: Path, missing: list[str]) -> list[Mount]:
+        """The persistenced and fabric manager sockets, and the MPS pipe directory."""
         out: list[Mount] = []
         for path in IPC_SOCKETS:
             for prefix in ("", "/var"):
@@ -341,58 +348,19 @@ class DriverDiscovery:
                     break
             else:
                 missing.append(str(root / path.lstrip("/")))
+        real = resolve_in_root(root, MPS_PIPE_DIR)
+        if real is not None and in_root(root, real).is_dir():
+            out.append(self._mount(root, MPS_PIPE_DIR, IPC_OPTIONS))
+        else:
+            missing.append(str(in_root(root, MPS_PIPE_DIR)))
         return out
 
-    def _hook_binary(self, missing: list[str]) -> Path | None:
-        """The hook binary's path on the host, or None: without it there are no hooks."""
-        if self._hook_path is not None:
-            return self._hook_path
-        for candidate in self._hook_candidates:
-            if candidate.is_file() and os.access(candidate, os.X_OK):
-                return Path(self.roots.host_path(str(candidate)))
-        missing.extend(str(c) for c in self._hook_candidates[:1])
-        return None
-
-    @staticmethod
-    def _hooks(binary: Path, libraries: list[str]) -> tuple[Hook, ...]:
-        argv0 = binary.name
-        prefix = (argv0, "hook") if argv0 == "nvidia-ctk" else (argv0,)
-        hooks: list[Hook] = []
-        cuda = [p for p in libraries if PurePosixPath(p).name.startswith("libcuda.so.")]
-        if cuda:
-            link = f"libcuda.so.1::{PurePosixPath(cuda[0]).parent}/libcuda.so"
-            hooks.append(Hook("createContainer", str(binary), (*prefix, "create-symlinks", "--link", link)))
-        folders: list[str] = []
-        for d in dict.fromkeys(str(PurePosixPath(p).parent) for p in libraries):
-            folders += ["--folder", d]
-        hooks.append(Hook("createContainer", str(binary), (*prefix, "update-ldcache", *folders)))
-        return tuple(hooks)
-
     # -- device nodes -----------------------------------------------------------------------
-
-    def _node(self, dev_root: Path, path: str) -> DeviceNode | None:
-        """Stat'ed where the agent sees it; the spec names it where the host does."""
-        host = dev_root / path.lstrip("/")
-        try:
-            st = host.stat()
-        except OSError:
-            return None
-        if stat.S_ISCHR(st.st_mode):
-            kind = "c"
-        elif stat.S_ISBLK(st.st_mode):
-            kind = "b"
-        else:
-            return None
-        on_host = self.roots.host_path(str(host))
-        host_path = on_host if on_host != path else None
-        return DeviceNode(
-            path=path, host_path=host_path, type=kind, major=os.major(st.st_rdev), minor=os.minor(st.st_rdev)
-        )
 
     def _nodes(self, dev_root: Path, wanted: Mapping[int, str], missing: list[str]) -> dict[int, DeviceNode]:
         out: dict[int, DeviceNode] = {}
         for minor, path in sorted(wanted.items()):
-            node = self._node(dev_root, path)
+            node = stat_node(dev_root, path, self.roots)
             if node is None:
                 missing.append(str(dev_root / path.lstrip("/")))
             else:

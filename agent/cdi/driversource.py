@@ -92,7 +92,12 @@ class InstalledDriverSource:
         self.discovery = discovery
 
     def look(self, inventory: Inventory) -> generate.DriverView:
-        return self.discovery.discover(generate.gpu_minors(inventory), generate.cap_minors(inventory))
+        return self.discovery.discover(
+            generate.gpu_minors(inventory),
+            generate.cap_minors(inventory),
+            buses=[gpu.short_bus_id for gpu in inventory],
+            driver_version=inventory.driver_version,
+        )
 
 
 def choose_driver_source(backend: str, discovery: DriverDiscovery) -> DriverSource:

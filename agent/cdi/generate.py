@@ -19,7 +19,7 @@ from typing import Protocol
 
 from agent.cdi.errors import UnknownCdiDeviceError
 from agent.cdi.names import claim_device_name, device_part, split_kind
-from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Spec, check
+from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Hook, Spec, check
 from agent.inventory.model import Gpu, Inventory, MigDevice
 
 ALL_DEVICES = "all"
@@ -63,14 +63,16 @@ def cap_minors(inventory: Inventory) -> list[int]:
 
 
 def union(edits: Iterable[ContainerEdits]) -> ContainerEdits:
-    """The edits of several devices at once (the ``all`` device): env and nodes, first one wins."""
+    """The edits of several devices at once (the ``all`` device): env, nodes and hooks; first one wins."""
     env: dict[str, None] = {}
     nodes: dict[str, DeviceNode] = {}
+    hooks: dict[Hook, None] = {}
     for edit in edits:
         env.update(dict.fromkeys(edit.env))
         for node in edit.device_nodes:
             nodes.setdefault(node.path, node)
-    return ContainerEdits(env=tuple(env), device_nodes=tuple(nodes.values()))
+        hooks.update(dict.fromkeys(edit.hooks))
+    return ContainerEdits(env=tuple(env), device_nodes=tuple(nodes.values()), hooks=tuple(hooks))
 
 
 def _skip_reason(what: str, uuid: str) -> str:

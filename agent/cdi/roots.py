@@ -9,6 +9,11 @@ host, so it is written under the host's path. Container paths never change.
 Same rule as NVIDIA's root transformer (nvidia-container-toolkit ``pkg/nvcdi/transform/root``):
 a path under the agent's root is moved under the host's root, component by component; a path
 outside it (``/dev`` of a driver container, a hook binary found elsewhere) is left as it is.
+
+The host's own ``/`` is visible to the agent too when the mapping says where: with
+``host_root`` ``/`` the driver root *is* the host's root, and with the host's ``/`` mounted at
+``/host`` and ``driver_root: /host/run/nvidia/driver``, ``host_root: /run/nvidia/driver``, it
+is ``/host``. Discovery then looks there for the host's live ``/dev`` and for the hook binary.
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ class RootMapping:
     def is_identity(self) -> bool:
         return PurePosixPath(self.container_root) == PurePosixPath(self.host_root)
 
+    def visible_host_root(self) -> Path | None:
+        """Where the agent sees the host's ``/``, when the mapping tells; else None."""
+        container, host = PurePosixPath(self.container_root), PurePosixPath(self.host_root)
+        if self.is_identity:
+            return None  # nothing says where the host is: the roots are only equal
+        if host == PurePosixPath("/"):
+            return Path(container)
+        if len(container.parts) > len(host.parts) and container.parts[-(len(host.parts) - 1) :] == host.parts[1:]:
+            return Path(*container.parts[: len(container.parts) - len(host.parts) + 1])
+        return None
+
     def host_path(self, path: str) -> str:
         """``path`` (an agent-visible absolute path) as the runtime on the host sees it.
 
@@ -41,8 +57,29 @@ class RootMapping:
         """
         if self.is_identity:
             return path
+        pure = PurePosixPath(path)
         try:
-            relative = PurePosixPath(path).relative_to(PurePosixPath(self.container_root))
+            relative = pure.relative_to(PurePosixPath(self.container_root))
         except ValueError:
-            return path  # outside the driver root: not the driver's file, the host sees it as is
-        return str(PurePosixPath(self.host_root) / relative)
+            pass
+        else:
+            return str(PurePosixPath(self.host_root) / relative)
+        visible = self.visible_host_root()
+        if visible is not None and visible != Path("/"):
+            try:
+                return str(PurePosixPath("/") / pure.relative_to(PurePosixPath(visible)))
+            except ValueError:
+                pass
+        return path  # outside both roots: not the driver's file, the host sees it as is
+
+    def agent_path(self, host_path: Path) -> Path | None:
+        """Where the agent sees the host's ``host_path``; None when it cannot tell."""
+        pure = PurePosixPath(host_path)
+        try:
+            return Path(self.container_root) / pure.relative_to(PurePosixPath(self.host_root))
+        except ValueError:
+            pass
+        visible = self.visible_host_root()
+        if visible is not None:
+            return visible / pure.relative_to("/")
+        return None

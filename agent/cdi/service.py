@@ -29,9 +29,10 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.cdi import generate
-from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
+from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
+from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
@@ -88,6 +89,7 @@ class CdiService:
         registry: CollectorRegistry | None = None,
         host_driver_root: Path | None = None,
         hook_candidates: Iterable[Path] = HOOK_CANDIDATES,
+        sysfs_root: Path = Path("/sys"),
     ) -> None:
         self._config = config
         #: the inventory this service follows (the agent's; tests update it directly)
@@ -102,6 +104,7 @@ class CdiService:
             host_driver_root=host_driver_root,
             hook_path=config.hook_path,
             hook_candidates=hook_candidates,
+            sysfs_root=sysfs_root,
         )
         self._host_driver_root = discovery.roots.host_root
         self._driver = choose_driver_source(inventory.current.backend, discovery)

@@ -25,6 +25,8 @@ from agent.ownership import OwnershipState
 class DeviceSource(Protocol):
     def gpu_uuids(self) -> list[str]: ...
 
+    def inventory_problems(self) -> int: ...
+
 
 class LoopLagProbe:
     """Measures how late the event loop wakes a timer; a busy or blocked loop shows here."""
@@ -72,6 +74,12 @@ class AgentCollector(Collector):
         for (owner, health), n in sorted(counts.items()):
             devices.add_metric([owner, health], n)
         yield devices
+
+        yield GaugeMetricFamily(
+            "gpu_agent_inventory_problems",
+            "Devices the backend saw but could not read at the last inventory read",
+            value=self._devices.inventory_problems(),
+        )
 
         transitions = CounterMetricFamily(
             "gpu_agent_health_transitions", "Device health transitions by new state", labels=["to"]

@@ -62,6 +62,8 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
         "backend_state": agent.backend_state(),
         "driver_version": inventory.driver_version,
         "cuda_driver_version": inventory.cuda_driver_version,
+        "inventory_problems": list(inventory.problems),
+        "inventory_reason": inventory.reason,
         "devices": devices,
         "topology": topology_map(inventory),
         "ownership": {

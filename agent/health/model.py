@@ -24,6 +24,8 @@ class SignalKind(StrEnum):
     CHECK_OK = "check-ok"  # a periodic check passed
     INJECTED_FAULT = "injected-fault"  # simulated backend: an operator marked it unhealthy
     INJECTED_HEAL = "injected-heal"  # simulated backend: an operator healed it (like a reset)
+    UNMONITORED = "unmonitored"  # health events cannot be received for it (NVML event wait broken)
+    MONITORED = "monitored"  # health events reach the agent again after UNMONITORED
 
 
 @dataclass(frozen=True, slots=True)

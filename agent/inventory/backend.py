@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
+from agent.config.schema import HealthConfig
 from agent.health.model import Signal
 from agent.inventory.model import Inventory
 
@@ -19,6 +20,8 @@ class Backend(Protocol):
 
     Lifecycle: ``open`` once, then ``load`` any number of times, ``watch_health`` as a task
     that runs until cancelled, and ``close`` (idempotent, also safe when ``open`` failed).
+    ``load`` may answer an empty inventory (with ``Inventory.reason``) and later the node's
+    GPUs: a backend that waits for its driver keeps trying on every ``load``.
     """
 
     name: str
@@ -31,8 +34,21 @@ class Backend(Protocol):
         """Report signals for the devices in ``inventory`` until cancelled.
 
         Must emit ``CHECK_OK`` for each device that passes its periodic check so that the
-        monitor can recover devices; must never block the event loop.
+        monitor can recover devices; must never block the event loop. Follows
+        :meth:`update_health_config` while it runs.
         """
+        ...
+
+    def update_health_config(self, config: HealthConfig) -> None:
+        """A new ``health`` config section (live reload); call on the loop thread."""
+        ...
+
+    def readiness(self) -> tuple[bool, str]:
+        """(ready, one-line detail) for /readyz: False only when the backend cannot serve as asked."""
+        ...
+
+    def status(self) -> dict[str, object]:
+        """JSON-ready facts for /debug/state (what was tried, what was found, the last error)."""
         ...
 
     async def close(self) -> None: ...
@@ -50,10 +66,19 @@ class NullBackend:
         return None
 
     async def load(self) -> Inventory:
-        return Inventory.empty(self.name)
+        return Inventory.empty(self.name, reason=self.reason)
 
     async def watch_health(self, inventory: Inventory, emit: SignalSink) -> None:
         await asyncio.Event().wait()
+
+    def update_health_config(self, config: HealthConfig) -> None:
+        return None
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, self.reason
+
+    def status(self) -> dict[str, object]:
+        return {"backend": self.name, "reason": self.reason}
 
     async def close(self) -> None:
         return None

@@ -104,6 +104,11 @@ class Inventory:
     gpus: tuple[Gpu, ...]
     # keyed by the two UUIDs in sorted order; missing pairs read as cross-socket PCIe
     links: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    #: devices the backend could not read, one line each ("GPU 3: getting its handle: ...");
+    #: the GPUs above are the ones that could be read
+    problems: tuple[str, ...] = ()
+    #: why there are no GPUs, when the backend knows (e.g. "libnvidia-ml.so.1 not found under /")
+    reason: str = ""
 
     def __post_init__(self) -> None:
         uuids = [g.uuid for g in self.gpus]
@@ -114,8 +119,8 @@ class Inventory:
             raise ValueError(f"duplicate GPU indexes in inventory: {sorted(indexes)}")
 
     @classmethod
-    def empty(cls, backend: str) -> Inventory:
-        return cls(backend=backend, driver_version="", cuda_driver_version="", gpus=())
+    def empty(cls, backend: str, reason: str = "") -> Inventory:
+        return cls(backend=backend, driver_version="", cuda_driver_version="", gpus=(), reason=reason)
 
     def __iter__(self) -> Iterator[Gpu]:
         return iter(self.gpus)

@@ -12,10 +12,12 @@ Preset files (built-ins live in ``agent/inventory/presets/``; see ``docs/simulat
       compute_capability: "9.0"
       memory_mib: 81559
       numa_node: 0
+      brand: Nvidia               # NVML's brand as NVIDIA's DRA driver spells it (default Nvidia)
     mig_profiles: {1g.10gb: 9856}  # MiB per MIG profile; default <N>gb * 1024
     gpus:                         # one entry per GPU, in index order
       - pci_bus_id: "00000000:18:00.0"   # default 00000000:<index + 1>:00.0
-        # also: index, minor, uuid (GPU-...), any defaults field, mig_enabled
+        # also: index, minor, uuid (GPU-...), any defaults field, mig_enabled, pcie_root
+        # (default: pci0000:00 on NUMA node 0, pci0000:80 on node 1, pci<node>:00 beyond)
         mig: [1g.10gb, {profile: 3g.40gb, gpu_instance_id: 2, uuid: MIG-...}]
     topology:
       nvlinks: 18                 # NVLinks between every pair of GPUs (default 0)
@@ -94,6 +96,7 @@ class GpuDefaults:
     compute_capability: VersionText | None = None
     memory_mib: int | None = None
     numa_node: int | None = None
+    brand: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,8 @@ class GpuSpec:
     memory_mib: int | None = None
     pci_bus_id: str | None = None
     numa_node: int | None = None
+    brand: str | None = None
+    pcie_root: str | None = None
     mig_enabled: bool | None = None  # default: true when ``mig`` lists devices
     mig: tuple[MigSpec, ...] = ()
 
@@ -192,6 +197,8 @@ def parse_preset(text: str, label: str) -> PresetSpec:
 
 # --- building the inventory -------------------------------------------------------------
 
+DEFAULT_BRAND = "Nvidia"
+_PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 _BUS_ID = re.compile(r"^(?:[0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 _PROFILE = re.compile(r"^(\d+)g\.(\d+)gb(?:\+me)?$")
 # A100/H100 MIG geometry: 7 compute slices over 8 memory slices. Per compute-slice count:
@@ -251,6 +258,10 @@ def _build_gpu(spec: PresetSpec, position: int, node_name: str, preset_key: str)
     if g.mig and not mig_enabled:
         raise ConfigError(f"{where}.mig: MIG devices listed but mig_enabled is false")
     migs = _build_migs(spec, g, uuid, index, minor, node_name, preset_key, where)
+    numa = g.numa_node if g.numa_node is not None else d.numa_node
+    root = g.pcie_root or default_pcie_root(numa)
+    if not _PCIE_ROOT.fullmatch(root):
+        raise ConfigError(f"{where}.pcie_root: expected pci<domain>:<bus> such as pci0000:00, got {root!r}")
     return Gpu(
         uuid=uuid,
         index=index,
@@ -260,10 +271,20 @@ def _build_gpu(spec: PresetSpec, position: int, node_name: str, preset_key: str)
         compute_capability=str(required("compute_capability")),
         memory_mib=memory,
         pci_bus_id=bus,
-        numa_node=g.numa_node if g.numa_node is not None else d.numa_node,
+        numa_node=numa,
         mig_enabled=mig_enabled,
         mig_devices=migs,
+        brand=g.brand or d.brand or DEFAULT_BRAND,
+        pcie_root=root,
     )
+
+
+def default_pcie_root(numa_node: int | None) -> str:
+    """A plausible root complex per NUMA node: two-socket servers split buses at 0x80."""
+    node = numa_node or 0
+    if node < 2:
+        return f"pci0000:{node * 0x80:02x}"
+    return f"pci{node:04x}:00"
 
 
 def _build_migs(

@@ -24,6 +24,8 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
                 "memory_mib": g.memory_mib,
                 "pci_bus_id": g.pci_bus_id,
                 "numa_node": g.numa_node,
+                "pcie_root": g.pcie_root,
+                "brand": g.brand,
                 "mig_enabled": g.mig_enabled,
                 "mig_devices": [
                     {
@@ -40,6 +42,8 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
             for g in gpus
         ],
         "topology": topology_map(inventory),
+        "problems": list(inventory.problems),
+        "reason": inventory.reason,
     }
 
 
@@ -59,8 +63,11 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def inventory_table(inventory: Inventory) -> str:
+    problems = [f"  {p}" for p in inventory.problems]
     if not inventory.gpus:
-        return f"backend: {inventory.backend}\nno GPUs on this node"
+        why = f": {inventory.reason}" if inventory.reason else ""
+        tail = ["", "could not read:", *problems] if problems else []
+        return "\n".join([f"backend: {inventory.backend}", f"no GPUs on this node{why}", *tail])
     lines = [
         f"backend: {inventory.backend}   driver: {inventory.driver_version}   CUDA: {inventory.cuda_driver_version}",
         "",
@@ -105,4 +112,6 @@ def inventory_table(inventory: Inventory) -> str:
                 [f"GPU{a.index}"] + ["X" if a is b else inventory.link(a.uuid, b.uuid).describe() for b in gpus]
             )
         lines.append(_table(matrix))
+    if problems:
+        lines += ["", "could not read:", *problems]
     return "\n".join(lines)

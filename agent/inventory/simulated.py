@@ -10,6 +10,7 @@ The preset format and how inventories are built from it live in ``agent.inventor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 import structlog
@@ -40,6 +41,7 @@ class SimulatedBackend:
         self._preset, self._node_name = preset, node_name
         self._inventory = self._build()
         self._health = health
+        self._health_changed = asyncio.Event()
         self._emit: SignalSink | None = None
         self._loop_thread: int | None = None
         self._faulted: set[str] = set()  # GPU UUIDs under an operator fault
@@ -62,6 +64,23 @@ class SimulatedBackend:
     async def close(self) -> None:
         return None
 
+    def update_health_config(self, config: HealthConfig) -> None:
+        """Live: a running watch wakes up and checks at the new ``check_interval_s`` from now on."""
+        self._health = config
+        changed, self._health_changed = self._health_changed, asyncio.Event()
+        changed.set()
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, f"simulated node ({self.preset_key})"
+
+    def status(self) -> dict[str, object]:
+        return {
+            "backend": self.name,
+            "preset": self.preset_key,
+            "description": self.description,
+            "faulted": sorted(self._faulted),
+        }
+
     @property
     def faulted(self) -> frozenset[str]:
         """GPU UUIDs whose periodic checks are held off by an injected fault."""
@@ -75,7 +94,10 @@ class SimulatedBackend:
                 for gpu in inventory.gpus:
                     if gpu.uuid not in self._faulted:
                         emit(Signal(uuid=gpu.uuid, kind=SignalKind.CHECK_OK))
-                await asyncio.sleep(self._health.check_interval_s)
+                changed = self._health_changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._health.check_interval_s):
+                        await changed.wait()
         finally:
             if self._emit is emit:
                 self._emit = self._loop_thread = None

@@ -19,10 +19,10 @@ import queue
 import string
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 # --- constants (values as in nvidia-ml-py) --------------------------------------------
@@ -76,6 +76,11 @@ NVML_DEVICE_ARCH_HOPPER = 9
 NVML_DEVICE_ARCH_BLACKWELL = 10
 NVML_DEVICE_ARCH_UNKNOWN = 0xFFFFFFFF
 
+NVML_BRAND_TESLA = 2
+NVML_BRAND_GEFORCE = 5
+NVML_BRAND_NVIDIA_RTX = 13
+NVML_BRAND_NVIDIA = 14
+
 nvmlEventTypeSingleBitEccError = 0x0000000000000001
 nvmlEventTypeDoubleBitEccError = 0x0000000000000002
 nvmlEventTypeXidCriticalError = 0x0000000000000008
@@ -96,6 +101,7 @@ class NVMLError(Exception):
         NVML_ERROR_UNINITIALIZED: "Uninitialized",
         NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
         NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+        NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
         NVML_ERROR_NOT_FOUND: "Not Found",
         NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
         NVML_ERROR_TIMEOUT: "Timeout",
@@ -209,15 +215,25 @@ class FakeGpu:
     memory_mib: int
     arch: int = NVML_DEVICE_ARCH_HOPPER
     compute_capability: tuple[int, int] = (9, 0)
-    numa_node: int | None = None  # None: nvmlDeviceGetNumaNodeId is NOT_SUPPORTED
+    brand: int = NVML_BRAND_NVIDIA
+    # sysfs (write_sysfs): the CPU-side NUMA node (None: -1) and the PCIe root complex
+    numa_node: int | None = None
+    pcie_root: str = "pci0000:00"
+    drm: tuple[str, ...] = ()  # entries of /sys/bus/pci/devices/<bus>/drm, e.g. ("card1", "renderD128")
+    # what nvmlDeviceGetNumaNodeId answers (None: NOT_SUPPORTED); on Grace the GPU's own memory node
+    nvml_numa_node: int | None = None
     mig_enabled: bool | None = False  # None: nvmlDeviceGetMigMode is NOT_SUPPORTED
     max_mig: int = 7
     migs: dict[int, FakeMig] = field(default_factory=dict)  # slot -> MIG device
+    invalid_mig_slots: frozenset[int] = frozenset()  # slots answering INVALID_ARGUMENT
     nvlinks: list[FakeNvLink] = field(default_factory=list)  # NOT_SUPPORTED beyond the list
     supported_events: int = ALL_HEALTH_EVENTS
     temperature: int = 45
+    memory_supported: bool = True  # False: integrated GPU, memory info NOT_SUPPORTED
     # knobs for faults
     lost: bool = False
+    no_permission: bool = False  # nvmlDeviceGetHandleByIndex answers NO_PERMISSION
+    register_error: int | None = None  # nvmlDeviceRegisterEvents fails with this code
     uuid_readback: str | None = None  # what nvmlDeviceGetUUID answers instead of uuid
     memory_total_override: int | None = None  # bytes
     temperature_error: int | BaseException | None = None  # NVML code or exception to raise
@@ -233,6 +249,8 @@ class Handle:
 class FakeEventSet:
     registrations: dict[str, int] = field(default_factory=dict)  # GPU uuid -> event mask
     freed: bool = False
+    undefined: bool = False  # a registration failed with UNKNOWN: every wait fails until freed
+    queue: queue.Queue[c_nvmlEventData_t] = field(default_factory=queue.Queue)
 
 
 Topology = Callable[[int, int], int]
@@ -272,11 +290,13 @@ class FakeNvml(types.ModuleType):
         self.init_error = init_error
         self.init_count = 0
         self.shutdown_calls = 0
+        self.nvmlLib: object = None  # nvidia-ml-py's module global: the loaded library
+        self.libLoadLock = threading.Lock()
         self.event_sets: list[FakeEventSet] = []
         self.calls: list[tuple[str, int]] = []  # (function, thread id)
         self._lock = threading.Lock()
-        self._events: queue.Queue[c_nvmlEventData_t] = queue.Queue()
         self._wait_errors: queue.Queue[int] = queue.Queue()
+        self.broken_waits: int | None = None  # every wait fails with this code while set
         self._waits = threading.Condition()
         self.wait_calls = 0
 
@@ -291,12 +311,24 @@ class FakeNvml(types.ModuleType):
         gi: int = NVML_GPU_INSTANCE_ID_ANY,
         ci: int = NVML_COMPUTE_INSTANCE_ID_ANY,
     ) -> None:
-        """Queue an event on GPU ``index``; the next wait whose set registered for it returns it."""
-        self._events.put(c_nvmlEventData_t(Handle(self.gpus[index]), event_type, data, gi, ci))
+        """An event on GPU ``index``: every live set registered for it gets it, like NVML does."""
+        gpu = self.gpus[index]
+        with self._lock:
+            sets = [s for s in self.event_sets if not s.freed and s.registrations.get(gpu.uuid, 0) & event_type]
+        for event_set in sets:
+            event_set.queue.put(c_nvmlEventData_t(Handle(gpu), event_type, data, gi, ci))
 
     def inject_wait_error(self, code: int) -> None:
         """The next ``nvmlEventSetWait_v2`` raises NVMLError(code)."""
         self._wait_errors.put(code)
+
+    def break_waits(self, code: int | None) -> None:
+        """Every ``nvmlEventSetWait_v2`` fails with ``code`` from now on (None: waits work again)."""
+        self.broken_waits = code
+
+    def live_sets(self) -> list[FakeEventSet]:
+        with self._lock:
+            return [s for s in self.event_sets if not s.freed]
 
     def wait_for_waits(self, count: int, timeout: float) -> bool:
         """Block until ``nvmlEventSetWait_v2`` has been entered ``count`` times (from a thread)."""
@@ -329,8 +361,11 @@ class FakeNvml(types.ModuleType):
 
     def nvmlInit(self) -> None:
         self._enter("nvmlInit", needs_init=False)
-        if self.library_missing:
-            raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
+        with self.libLoadLock:
+            if self.nvmlLib is None:  # nvidia-ml-py: CDLL("libnvidia-ml.so.1") from the loader path
+                if self.library_missing:
+                    raise NVMLError(NVML_ERROR_LIBRARY_NOT_FOUND)
+                self.nvmlLib = "libnvidia-ml.so.1 from the loader path"
         if self.init_error is not None:
             raise NVMLError(self.init_error)
         self.init_count += 1
@@ -358,10 +393,15 @@ class FakeNvml(types.ModuleType):
         self._enter("nvmlDeviceGetHandleByIndex")
         if not 0 <= index < len(self.gpus):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
-        return Handle(self.gpus[index])
+        gpu = self.gpus[index]
+        if gpu.no_permission:
+            raise NVMLError(NVML_ERROR_NO_PERMISSION)
+        return Handle(self._gpu_of(Handle(gpu)))
 
     def nvmlDeviceGetHandleByUUID(self, uuid: str) -> Handle:
         self._enter("nvmlDeviceGetHandleByUUID")
+        if any(g.lost for g in self.gpus):  # nvml.h: "if any GPU has fallen off the bus"
+            raise NVMLError(NVML_ERROR_GPU_IS_LOST)
         for gpu in self.gpus:
             if gpu.uuid == uuid:
                 return Handle(gpu)
@@ -399,6 +439,8 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetMemoryInfo(self, handle: Handle, version: int | None = None) -> c_nvmlMemory_t:
         self._enter("nvmlDeviceGetMemoryInfo")
         gpu = self._gpu_of(handle)
+        if not gpu.memory_supported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         if handle.mig is not None:
             total = handle.mig.memory_mib * MIB
         else:
@@ -413,9 +455,13 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetNumaNodeId(self, handle: Handle) -> int:
         self._enter("nvmlDeviceGetNumaNodeId")
         gpu = self._gpu_of(handle)
-        if gpu.numa_node is None:
+        if gpu.nvml_numa_node is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        return gpu.numa_node
+        return gpu.nvml_numa_node
+
+    def nvmlDeviceGetBrand(self, handle: Handle) -> int:
+        self._enter("nvmlDeviceGetBrand")
+        return self._gpu_of(handle).brand
 
     def nvmlDeviceGetTemperature(self, handle: Handle, sensor: int) -> int:
         self._enter("nvmlDeviceGetTemperature")
@@ -443,7 +489,7 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Handle, index: int) -> Handle:
         self._enter("nvmlDeviceGetMigDeviceHandleByIndex")
         gpu = self._gpu_of(handle)
-        if index >= gpu.max_mig:
+        if index >= gpu.max_mig or index in gpu.invalid_mig_slots:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         mig = gpu.migs.get(index)
         if mig is None:
@@ -508,6 +554,10 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceRegisterEvents(self, handle: Handle, event_types: int, event_set: FakeEventSet) -> None:
         self._enter("nvmlDeviceRegisterEvents")
         gpu = self._gpu_of(handle)
+        if gpu.register_error is not None:
+            if gpu.register_error == NVML_ERROR_UNKNOWN:
+                event_set.undefined = True
+            raise NVMLError(gpu.register_error)
         if event_types & ~gpu.supported_events:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         event_set.registrations[gpu.uuid] = event_set.registrations.get(gpu.uuid, 0) | event_types
@@ -519,19 +569,18 @@ class FakeNvml(types.ModuleType):
         with self._waits:
             self.wait_calls += 1
             self._waits.notify_all()
+        if event_set.undefined:
+            raise NVMLError(NVML_ERROR_UNKNOWN)
+        if self.broken_waits is not None:
+            raise NVMLError(self.broken_waits)
         try:
             raise NVMLError(self._wait_errors.get_nowait())
         except queue.Empty:
             pass
-        deadline = time.monotonic() + timeoutms / 1000
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                event = self._events.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if event_set.registrations.get(event.device.gpu.uuid, 0) & event.eventType:
-                return event
-        raise NVMLError(NVML_ERROR_TIMEOUT)
+        try:
+            return event_set.queue.get(timeout=timeoutms / 1000)
+        except queue.Empty:
+            raise NVMLError(NVML_ERROR_TIMEOUT) from None
 
     def nvmlEventSetFree(self, event_set: FakeEventSet) -> None:
         self._enter("nvmlEventSetFree")
@@ -554,6 +603,7 @@ def h100_node(**kwargs: Any) -> FakeNvml:
             bus_id=f"00000000:{bus}:00.0",
             memory_mib=81559,
             numa_node=0 if i < 4 else 1,
+            pcie_root="pci0000:00" if i < 4 else "pci0000:80",
             nvlinks=[FakeNvLink(NVSWITCH_BUS[link % 4], NVML_NVLINK_DEVICE_TYPE_SWITCH) for link in range(18)],
         )
         for i, bus in enumerate(H100_BUS)
@@ -604,7 +654,7 @@ def a100_mig_node(**kwargs: Any) -> FakeNvml:
                 memory_mib=40960,
                 arch=NVML_DEVICE_ARCH_AMPERE,
                 compute_capability=(8, 0),
-                numa_node=None,
+                numa_node=[0, 0, 1, None][i],
                 mig_enabled=i != 2,
                 migs=migs[i],
                 nvlinks=[FakeNvLink(A100_BUS[peers[link % 3]]) for link in range(12)],
@@ -615,3 +665,40 @@ def a100_mig_node(**kwargs: Any) -> FakeNvml:
         return NVML_TOPOLOGY_SINGLE if a // 2 == b // 2 else NVML_TOPOLOGY_SYSTEM
 
     return FakeNvml(gpus, topology=topology, **kwargs)
+
+
+def gh200_node(**kwargs: Any) -> FakeNvml:
+    """A Grace Hopper superchip: the GPU's PCI device sits on the CPU's NUMA node 0, while
+    nvmlDeviceGetNumaNodeId answers the GPU's own memory node (1, a node without CPUs)."""
+    gpu = FakeGpu(
+        uuid="GPU-gh200-0000-0000-0000-000000000000",
+        name="NVIDIA GH200 480GB",
+        minor=0,
+        bus_id="00000009:01:00.0",
+        memory_mib=97871,
+        numa_node=0,
+        nvml_numa_node=1,
+        pcie_root="pci0009:00",
+    )
+    return FakeNvml([gpu], **kwargs)
+
+
+def write_sysfs(root: Path, gpus: list[FakeGpu]) -> Path:
+    """The sysfs tree the backend reads, under ``root`` (its ``/sys``); returns ``root``.
+
+    Each GPU's device directory sits below its PCIe root and one bridge, like the kernel
+    lays it out, and ``bus/pci/devices/<bus id>`` is a relative link to it.
+    """
+    for gpu in gpus:
+        domain, rest = gpu.bus_id.split(":", 1)
+        bdf = f"{int(domain, 16):04x}:{rest}".lower()
+        bridge = f"{bdf[:4]}:{gpu.pcie_root[-2:]}:01.0"
+        device = root / "devices" / gpu.pcie_root / bridge / bdf
+        device.mkdir(parents=True)
+        (device / "numa_node").write_text(f"{-1 if gpu.numa_node is None else gpu.numa_node}\n")
+        for entry in gpu.drm:
+            (device / "drm" / entry).mkdir(parents=True)
+        link = root / "bus" / "pci" / "devices" / bdf
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path("../../..") / "devices" / gpu.pcie_root / bridge / bdf)
+    return root
