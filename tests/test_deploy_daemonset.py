@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from agent.config.loader import ENV_FIELDS, ENV_PREFIX, build_config, env_overrides
 from agent.cdi.roots import RootMapping
+from agent.config.loader import ENV_FIELDS, ENV_PREFIX, build_config, env_overrides
 from agent.config.schema import Config
 from tests.manifests import AGENT_KUSTOMIZATIONS, agent_container, only, render
 
