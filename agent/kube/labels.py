@@ -109,6 +109,11 @@ class NodeLabelSource:
         self.watches = 0
         self.relists = 0
 
+    async def close(self) -> None:
+        """Close the client if this source made it itself (``label_source(kubeconfig=...)``)."""
+        if self._owns_client:
+            await self._client.close()
+
     @property
     def labels(self) -> dict[str, str]:
         return {**self._api_labels, **self._static}
@@ -134,8 +139,7 @@ class NodeLabelSource:
         try:
             await self._watch(on_change)
         finally:
-            if self._owns_client:
-                await self._client.close()
+            await self.close()
 
     async def _watch(self, on_change: OnChange) -> None:
         attempt = 0
