@@ -71,7 +71,8 @@ class Limits:
     watch_line_bytes: int = 4 * MiB
     #: the server is asked to end a watch after this long
     watch_timeout_s: float = 300.0
-    #: a watch with no byte for this long is dropped (bookmarks and the server's own timeout come sooner)
+    #: a watch with no byte for this long is dropped; longer than ``watch_timeout_s``, after which
+    #: the server ends the stream itself
     watch_idle_s: float = 330.0
     #: connections in the pool; each open watch holds one
     max_connections: int = 16
@@ -212,10 +213,10 @@ class KubeClient:
         started = time.monotonic()
         result = "ok"
         try:
+            headers = await self._headers(accept)
+            if data is not None:
+                headers["Content-Type"] = content_type
             for attempt in (1, 2):
-                headers = await self._headers(accept)
-                if data is not None:
-                    headers["Content-Type"] = content_type
                 async with self._pool().request(
                     method, url, data=data, headers=headers, ssl=self._ssl, timeout=timeout, allow_redirects=False
                 ) as resp:
@@ -254,7 +255,7 @@ class KubeClient:
         query = {**(params or {}), "watch": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
         url = URL(self.server + path).update_query(query)
         where = f"watch {url}"
-        idle = max(self.limits.watch_idle_s, timeout_s + 30)
+        idle = self.limits.watch_idle_s
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout_s, sock_read=idle)
         started = time.monotonic()
         opened = False
@@ -287,10 +288,14 @@ class KubeClient:
             headers["Authorization"] = authorization
         return headers
 
-    async def _renewed(self, sent: Mapping[str, str]) -> bool:
-        """After a 401: whether fresh credentials differ from those just sent (then retry once)."""
+    async def _renewed(self, headers: dict[str, str]) -> bool:
+        """After a 401: put fresh credentials in ``headers``; whether they differ (then retry once)."""
         self._credentials.expire()
-        return await self._credentials.header() != sent.get("Authorization", "")
+        fresh = await self._credentials.header()
+        if fresh == headers.get("Authorization", ""):
+            return False
+        headers["Authorization"] = fresh
+        return True
 
     async def _decode(self, where: str, raw: bytes) -> dict[str, Any]:
         if len(raw) > self.limits.thread_decode_bytes:
@@ -359,6 +364,8 @@ async def _lines(where: str, resp: aiohttp.ClientResponse, limit: int) -> AsyncG
         start = len(buffer)
         buffer += chunk
         while (end := buffer.find(b"\n", start)) >= 0:
+            if end > limit:
+                break
             line = bytes(buffer[:end])
             del buffer[: end + 1]
             start = 0
