@@ -238,7 +238,8 @@ class SlicePublisher:
 
     def _failed(self, exc: KubeError) -> None:
         self.errors += 1
-        if isinstance(exc, KubeConflictError | KubeNotFoundError):
+        if exc.status is None or isinstance(exc, KubeConflictError | KubeNotFoundError):
+            # a conflict, a vanished slice, or a write whose outcome was not seen: read before writing
             self._stale = True
         if self.last_error != str(exc):
             log.warning("ResourceSlice sync failed; retrying with backoff", node=self.node_name, error=str(exc))

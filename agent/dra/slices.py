@@ -151,15 +151,14 @@ def plan(
 ) -> Plan:
     """The writes from ``stored`` (our slices as listed) to ``desired`` (from :func:`split`).
 
-    Slices of the current generation are reused in name order; any other stored slice (an
-    older generation, another pool name, left over from a bigger pool) is deleted.
+    Slices of the current generation are reused (see :func:`_pair`); any other stored slice
+    (an older generation, another pool name, left over from a bigger pool) is deleted.
     """
     top = max((s.generation for s in stored), default=0)
     current = sorted((s for s in stored if s.generation == top and s.pool == node), key=lambda s: s.name)
-    paired = list(zip(current, desired, strict=False))
+    paired, new = _pair(desired, current)
     reused = {s.name for s, _ in paired}
     leftover = [s for s in stored if s.name not in reused]
-    new = tuple(desired[len(paired) :])
     reasons: list[str] = []
     if leftover:
         reasons.append(f"{len(leftover)} obsolete slice(s)")
@@ -181,6 +180,29 @@ def plan(
         count=len(desired),
         reasons=tuple(reasons),
     )
+
+
+def _pair(
+    desired: Sequence[tuple[SliceDevice, ...]], current: list[StoredSlice]
+) -> tuple[list[tuple[StoredSlice, tuple[SliceDevice, ...]]], tuple[tuple[SliceDevice, ...], ...]]:
+    """Match desired slices to stored ones: identical content first, then most device names in
+    common (names are random, so order says nothing); the desired slices left over are new."""
+    free = list(current)
+    matched: dict[int, StoredSlice] = {}
+    for i, devices in enumerate(desired):
+        same = next((s for s in free if s.devices == devices), None)
+        if same is not None:
+            matched[i] = same
+            free.remove(same)
+    for i, devices in enumerate(desired):
+        if i in matched or not free:
+            continue
+        names = {d.name for d in devices}
+        best = max(free, key=lambda s: len(names & {d.name for d in s.devices}))
+        matched[i] = best
+        free.remove(best)
+    paired = [(matched[i], devices) for i, devices in enumerate(desired) if i in matched]
+    return paired, tuple(devices for i, devices in enumerate(desired) if i not in matched)
 
 
 def generate_name(node: str, driver: str) -> str:
