@@ -498,3 +498,22 @@ async def test_absurdly_nested_json_from_the_api_is_a_kube_error(tmp_path: Path)
                 await client.get(f"/api/v1/nodes/{NODE}")
     finally:
         await runner.cleanup()
+
+
+async def test_a_null_label_value_is_dropped_not_turned_into_none(kube: KubeClient, api: FakeApiServer) -> None:
+    """Issue 10 §3: a broken server's null (or number) is no label value; the string "None" never appears."""
+    api.set_labels({"pool": None, "zone": "z1", "count": 3})  # type: ignore[dict-item]
+    source = _source(kube)
+    with capture_logs() as logs:
+        assert await source.fetch() == {"zone": "z1"}
+    dropped = [e for e in logs if e["event"].startswith("node label dropped")]
+    assert [e["key"] for e in dropped] == ["pool", "count"] and all(e["log_level"] == "debug" for e in dropped)
+
+
+async def test_label_source_on_the_shared_client(kube: KubeClient) -> None:
+    source = label_source(client=kube, node_name=NODE, static_labels={"extra": "1"})
+    assert isinstance(source, NodeLabelSource)
+    assert await source.fetch() == {"pool": "a100", "extra": "1"}
+    await source.close()  # not its client: still open
+    assert (await kube.get(f"/api/v1/nodes/{NODE}"))["metadata"]["name"] == NODE
+    assert isinstance(label_source(client=None, node_name=NODE, static_labels={}), StaticLabelSource)
