@@ -420,3 +420,15 @@ async def test_no_resource_api_at_all_is_a_clear_reason(tmp_path: Path) -> None:
         async with publishing(api, tmp_path, node) as publisher:
             await until(lambda: "does not serve resource.k8s.io" in publisher.readiness().detail, "the reason")
             assert publisher.published_gpus() == frozenset()  # nothing can be in a slice
+
+
+async def test_a_node_without_gpus_talks_to_nobody_until_gpus_appear(api: FakeApiServer, tmp_path: Path) -> None:
+    inventory = await _inventory()
+    node = _node(Inventory.empty("nvml"))
+    async with publishing(api, tmp_path, node) as publisher:
+        await until(lambda: node.inventory.changes.subscriber_count == 1, "waiting for GPUs")
+        assert api.requests == [] and publisher.published_gpus() == frozenset()
+        node.health.set_inventory(inventory)
+        node.inventory.update(inventory)
+        node.own(Owner.DRA)
+        await _published(api, publisher, [d.name for d in dra_devices(inventory)])

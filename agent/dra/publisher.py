@@ -201,12 +201,14 @@ class SlicePublisher:
     # --- running -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Publish until cancelled."""
+        """Publish until cancelled. A node without GPUs talks to nobody until GPUs appear."""
         with (
             self._inventory.changes.subscribe() as inventory,
             self._ownership.changes.subscribe() as ownership,
             self._health.changes.subscribe() as health,
         ):
+            while not self._inventory.current.gpus:
+                await inventory.get()
             async with asyncio.TaskGroup() as group:
                 for name, feed in (("inventory", inventory), ("ownership", ownership), ("health", health)):
                     group.create_task(self._follow(feed), name=f"dra-slices-feed-{name}")
