@@ -267,6 +267,15 @@ async def test_slices_deleted_behind_its_back_come_back(api: FakeApiServer, tmp_
         first = api.slices_of()[0]["metadata"]["name"]
         api.edit_slice(first, lambda spec: spec["devices"].pop())  # someone edits it
         await until(lambda: len(_devices(api)) == len(names) and _generations(api) == {3}, "the edit undone")
+        # deleted while the watch was cut: the resumed watch replays the deletion
+        api.close_watches()
+        api.delete_slices()
+        await until(lambda: _generations(api) == {4} and len(_devices(api)) == len(names), "back after a cut watch")
+        # deleted while the watch's history expired: the relist finds them missing
+        api.end_watches()
+        api.delete_slices()
+        api.compact()
+        await until(lambda: _generations(api) == {5} and len(_devices(api)) == len(names), "back after a relist")
 
 
 async def test_a_big_pool_is_split_at_128_devices(api: FakeApiServer, tmp_path: Path) -> None:

@@ -125,6 +125,18 @@ async def test_a_declared_length_over_the_limit_is_refused_unread(api: FakeApiSe
             await client.get(f"/api/v1/nodes/{NODE}")
 
 
+async def test_a_slow_server_and_rate_limits(api: FakeApiServer, tmp_path: Path) -> None:
+    api.delay_s = 0.5
+    async with _client(api, tmp_path) as client:
+        with pytest.raises(KubeError, match=r"no answer within 0.1s"):
+            await client.get(f"/api/v1/nodes/{NODE}", timeout_s=0.1)
+        api.delay_s = 0
+        api.fail(429, message="Too many requests, please try again later.")
+        with pytest.raises(KubeError, match="429 Too Many Requests: Too many requests") as err:
+            await client.get(f"/api/v1/nodes/{NODE}")
+        assert err.value.recoverable and err.value.status == 429
+
+
 async def test_a_server_that_never_answers_times_out(api: FakeApiServer, tmp_path: Path) -> None:
     api.hang(times=None)
     async with _client(api, tmp_path, limits=Limits(request_timeout_s=0.3)) as client:
