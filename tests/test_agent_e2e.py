@@ -257,14 +257,13 @@ ownership:
 
 async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -> None:
     """One ConfigMap for every node: the labels come from the Node object, and a relabel moves the GPUs."""
-    from tests.test_kube_labels import NODE, FakeApi, _kubeconfig, _serve
+    from tests.fake_apiserver import NODE, FakeApiServer, write_kubeconfig
 
-    api = FakeApi()
-    api.labels = {"pool": "dra"}
-    runner = await _serve(api)
+    api = await FakeApiServer().start()
+    api.set_labels({"pool": "dra"})
     config = tmp_path / "config.yaml"
     config.write_text(LABEL_CONFIG)
-    kubeconfig = _kubeconfig(tmp_path, api.url, {"token": "t0ken"})
+    kubeconfig = write_kubeconfig(tmp_path, api.url, {"token": "t0ken"})
     agent = AgentProcess(
         tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
     )
@@ -276,7 +275,7 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
         assert api.tokens and api.tokens[0] == "Bearer t0ken"
 
         await api.next_watch()
-        api.event("MODIFIED", {"pool": "a100"})  # the pool is relabelled back to the device plugin
+        api.set_labels({"pool": "a100"})  # the pool is relabelled back to the device plugin
 
         def moved() -> bool:
             return {d["owner"] for d in agent.state()["devices"]} == {"device-plugin"}
@@ -285,19 +284,18 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
         assert (await asyncio.to_thread(agent.terminate))[0] == 0
     finally:
         agent.kill()
-        api.close()
-        await runner.cleanup()
+        await api.stop()
 
 
 async def test_an_api_server_that_never_answers_holds_serving_but_not_the_probes(tmp_path: Path) -> None:
     """Liveness and readiness answer at once; GPUs are not advertised under unknown labels."""
-    from tests.test_kube_labels import NODE, _kubeconfig
+    from tests.fake_apiserver import NODE, write_kubeconfig
 
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
     port = silent.sockets[0].getsockname()[1]
     config = tmp_path / "config.yaml"
     config.write_text(LABEL_CONFIG.replace("plugin: {enabled: false}", "plugin: {enabled: true}"))
-    kubeconfig = _kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"})
+    kubeconfig = write_kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"})
     agent = AgentProcess(
         tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
     )

@@ -1,12 +1,10 @@
-"""agent.kube: the API client's config loading and the node-label source, against a fake API
-server on 127.0.0.1 (real HTTP; TLS only in the optional test that needs openssl)."""
+"""agent.kube: config loading and the node-label source, against the fake API server on 127.0.0.1
+(real HTTP; TLS only in the optional test that needs openssl)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import json
 import shutil
 import ssl
 import subprocess
@@ -19,131 +17,27 @@ from aiohttp import web
 from structlog.testing import capture_logs
 
 from agent.errors import ConfigError
-from agent.kube.client import (
-    KubeClient,
-    in_cluster_access,
-    kube_config_available,
-    kubeconfig_access,
-)
+from agent.kube.access import in_cluster_access, kube_config_available, kubeconfig_access
+from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
-
-NODE = "gpu-node-7"
-TIMEOUT = 5.0
-
-_END = object()  # end the watch stream cleanly
-_DROP = object()  # cut the connection mid-stream
-
-
-class FakeApi:
-    """Serves GET /api/v1/nodes/<name>, the list and the watch of one Node."""
-
-    def __init__(self) -> None:
-        self.labels: dict[str, str] = {"pool": "a100"}
-        self.rv = 100
-        self.node_status = 200
-        self.list_status = 200
-        self.watch_status = 200
-        self.lists = 0
-        self.tokens: list[str] = []
-        #: one entry per watch that connected: its query
-        self.watches: asyncio.Queue[dict[str, str]] = asyncio.Queue()
-        self.streams: list[asyncio.Queue[object]] = []
-        self.url = ""
-
-    def node(self, labels: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-        self.rv += 1
-        meta = {
-            "name": NODE,
-            "resourceVersion": str(self.rv),
-            "labels": dict(self.labels if labels is None else labels),
-        }
-        return {"kind": "Node", "apiVersion": "v1", "metadata": {**meta, **extra}}
-
-    def push(self, item: object) -> None:
-        self.streams[-1].put_nowait(item)
-
-    def event(self, kind: str, labels: dict[str, str] | None = None, **extra: Any) -> None:
-        self.push({"type": kind, "object": self.node(labels, **extra)})
-
-    def close(self) -> None:
-        for stream in self.streams:
-            stream.put_nowait(_END)
-
-    @staticmethod
-    def _status(code: int, message: str) -> web.Response:
-        body = {"kind": "Status", "status": "Failure", "message": message, "code": code}
-        return web.json_response(body, status=code)
-
-    async def get_node(self, request: web.Request) -> web.Response:
-        self.tokens.append(request.headers.get("Authorization", ""))
-        name = request.match_info["name"]
-        if self.node_status != 200:
-            return self._status(self.node_status, f'nodes "{name}" is forbidden or missing')
-        if name != NODE:
-            return self._status(404, f'nodes "{name}" not found')
-        return web.json_response(self.node())
-
-    async def nodes(self, request: web.Request) -> web.StreamResponse:
-        self.tokens.append(request.headers.get("Authorization", ""))
-        name = request.query["fieldSelector"].removeprefix("metadata.name=")
-        if request.query.get("watch") == "true":
-            return await self._watch(request)
-        self.lists += 1
-        if self.list_status != 200:
-            return self._status(self.list_status, 'nodes is forbidden: User "system:serviceaccount:x" cannot list')
-        self.rv += 1
-        items = [self.node()] if name == NODE else []  # the API's answer for an unknown name
-        return web.json_response({"kind": "NodeList", "metadata": {"resourceVersion": str(self.rv)}, "items": items})
-
-    async def _watch(self, request: web.Request) -> web.StreamResponse:
-        if self.watch_status != 200:
-            return self._status(self.watch_status, "watch refused")
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        stream: asyncio.Queue[object] = asyncio.Queue()
-        self.streams.append(stream)
-        self.watches.put_nowait(dict(request.query))
-        # the client may be gone already (a test that ended its watch): nothing to report then
-        with contextlib.suppress(ConnectionResetError):
-            while True:
-                item = await stream.get()
-                if item is _END:
-                    break
-                if item is _DROP:
-                    assert request.transport is not None
-                    request.transport.abort()
-                    return resp
-                await resp.write(json.dumps(item).encode() + b"\n")
-            await resp.write_eof()
-        return resp
-
-    async def next_watch(self) -> dict[str, str]:
-        return await asyncio.wait_for(self.watches.get(), TIMEOUT)
-
-
-async def _serve(api: FakeApi, ssl_context: ssl.SSLContext | None = None) -> web.AppRunner:
-    app = web.Application()
-    app.router.add_get("/api/v1/nodes/{name}", api.get_node)
-    app.router.add_get("/api/v1/nodes", api.nodes)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
-    await site.start()
-    port = runner.addresses[0][1]
-    api.url = f"{'https' if ssl_context else 'http'}://127.0.0.1:{port}"
-    return runner
+from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[FakeApi]:
-    fake = FakeApi()
-    runner = await _serve(fake)
-    try:
+async def api() -> AsyncIterator[FakeApiServer]:
+    async with serving() as fake:
         yield fake
-    finally:
-        fake.close()
-        await runner.cleanup()
+
+
+def _lists(api: FakeApiServer) -> int:
+    """Lists of nodes (not watches, not single GETs)."""
+    return sum(1 for r in api.requests if r.path == "/api/v1/nodes" and r.query.get("watch") != "true")
+
+
+def _fail_node_get(api: FakeApiServer, status: int) -> None:
+    message = f'nodes "{NODE}" is forbidden or missing'
+    api.fail(status, times=None, method="GET", path=f"/api/v1/nodes/{NODE}", message=message)
 
 
 class FakeSleep:
@@ -169,22 +63,17 @@ class FakeSleep:
 
 
 def _kubeconfig(tmp_path: Path, server: str, user: dict[str, Any], **cluster: Any) -> Path:
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "ctx",
-        "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
-        "clusters": [{"name": "c", "cluster": {"server": server, **cluster}}],
-        "users": [{"name": "u", "user": user}],
-    }
-    path = tmp_path / "kubeconfig"
-    path.write_text(json.dumps(doc))  # JSON is YAML
-    return path
+    return write_kubeconfig(tmp_path, server, user, **cluster)
 
 
-def _source(api: FakeApi, tmp_path: Path, *, sleep: FakeSleep | None = None, **kwargs: Any) -> NodeLabelSource:
-    client = KubeClient(kubeconfig_access(_kubeconfig(tmp_path, api.url, {"token": "t0"})))
-    return NodeLabelSource(client, node_name=NODE, sleep=sleep or FakeSleep(), clock=lambda: 0.0, **kwargs)
+@pytest.fixture
+async def kube(api: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeClient]:
+    async with KubeClient(kubeconfig_access(_kubeconfig(tmp_path, api.url, {"token": "t0"}))) as client:
+        yield client
+
+
+def _source(kube: KubeClient, *, sleep: FakeSleep | None = None, **kwargs: Any) -> NodeLabelSource:
+    return NodeLabelSource(kube, node_name=NODE, sleep=sleep or FakeSleep(), clock=lambda: 0.0, **kwargs)
 
 
 class Watching:
@@ -233,26 +122,28 @@ def test_in_cluster_access_from_service_account_dir(tmp_path: Path) -> None:
         in_cluster_access(env=env, sa_dir=tmp_path / "missing")
 
 
-async def test_in_cluster_token_is_reread_when_it_rotates(api: FakeApi, tmp_path: Path) -> None:
+async def test_in_cluster_token_is_reread_when_it_rotates(api: FakeApiServer, tmp_path: Path) -> None:
     sa = _service_account(tmp_path, "first")
     env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": "1"}
-    client = KubeClient(in_cluster_access(env=env, sa_dir=sa, server=api.url))
-    await client.get_json(f"/api/v1/nodes/{NODE}")
-    (sa / "token").write_text("second")
-    await client.get_json(f"/api/v1/nodes/{NODE}")
-    assert api.tokens == ["Bearer first", "Bearer second"]
+    async with KubeClient(in_cluster_access(env=env, sa_dir=sa, server=api.url)) as client:
+        await client.get(f"/api/v1/nodes/{NODE}")
+        await client.get(f"/api/v1/nodes/{NODE}")  # unchanged file: not re-read
+        (sa / "token").write_text("second")
+        await client.get(f"/api/v1/nodes/{NODE}")
+    assert api.tokens == ["Bearer first", "Bearer first", "Bearer second"]
 
 
-async def test_kubeconfig_with_token_file_and_token(api: FakeApi, tmp_path: Path) -> None:
+async def test_kubeconfig_with_token_file_and_token(api: FakeApiServer, tmp_path: Path) -> None:
     (tmp_path / "tok").write_text("from-file\n")
     path = _kubeconfig(tmp_path, api.url + "/", {"tokenFile": "tok"})
     access = kubeconfig_access(path)
     assert access.server == api.url and access.token_file == tmp_path / "tok"
-    node = await KubeClient(access).get_json(f"/api/v1/nodes/{NODE}")
+    async with KubeClient(access) as client:
+        node = await client.get(f"/api/v1/nodes/{NODE}")
     assert node["metadata"]["labels"] == {"pool": "a100"}
 
-    client = KubeClient.from_config(str(_kubeconfig(tmp_path, api.url, {"token": "abc"})))
-    await client.get_json(f"/api/v1/nodes/{NODE}")
+    async with KubeClient.from_config(str(_kubeconfig(tmp_path, api.url, {"token": "abc"}))) as client:
+        await client.get(f"/api/v1/nodes/{NODE}")
     assert api.tokens == ["Bearer from-file", "Bearer abc"]
 
 
@@ -269,7 +160,14 @@ def test_kubeconfig_insecure_skips_verification(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("user", "cluster", "message"),
     [
-        ({"exec": {"command": "aws", "apiVersion": "client.authentication.k8s.io/v1"}}, {}, "exec credential plugin"),
+        ({"exec": {"command": "aws", "apiVersion": "client.authentication.k8s.io/v1alpha1"}}, {}, "not supported"),
+        ({"exec": {"apiVersion": "client.authentication.k8s.io/v1"}}, {}, "exec has no command"),
+        (
+            {"exec": {"command": "x", "apiVersion": "client.authentication.k8s.io/v1", "interactiveMode": "Always"}},
+            {},
+            "no terminal",
+        ),
+        ({"exec": {"command": "x", "apiVersion": "client.authentication.k8s.io/v1", "env": [{"n": 1}]}}, {}, "env"),
         ({"auth-provider": {"name": "gcp"}}, {}, "auth-provider plugin"),
         ({"username": "admin", "password": "x"}, {}, "basic auth"),
         ({"client-certificate": "c.crt"}, {}, "without a key"),
@@ -316,31 +214,31 @@ async def test_tls_with_certificate_authority_data(tmp_path: Path, server_cert: 
     cert, key = server_cert
     server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ssl.load_cert_chain(cert, key)
-    fake = FakeApi()
-    runner = await _serve(fake, server_ssl)
+    fake = await FakeApiServer().start(server_ssl)
     try:
         ca = base64.b64encode(cert.read_bytes()).decode()
-        verified = KubeClient.from_config(
-            str(_kubeconfig(tmp_path, fake.url, {"token": "t"}, **{"certificate-authority-data": ca}))
-        )
-        assert (await verified.get_json(f"/api/v1/nodes/{NODE}"))["metadata"]["name"] == NODE
-        untrusted = KubeClient.from_config(str(_kubeconfig(tmp_path, fake.url, {"token": "t"})))
-        with pytest.raises(KubeError, match="certificate") as err:
-            await untrusted.get_json(f"/api/v1/nodes/{NODE}")
+        verified_config = _kubeconfig(tmp_path, fake.url, {"token": "t"}, **{"certificate-authority-data": ca})
+        async with KubeClient.from_config(str(verified_config)) as verified:
+            assert (await verified.get(f"/api/v1/nodes/{NODE}"))["metadata"]["name"] == NODE
+        async with KubeClient.from_config(str(_kubeconfig(tmp_path, fake.url, {"token": "t"}))) as untrusted:
+            with pytest.raises(KubeError, match="certificate") as err:
+                await untrusted.get(f"/api/v1/nodes/{NODE}")
         assert not err.value.recoverable
     finally:
-        await runner.cleanup()
+        await fake.stop()
 
 
 # --- requests and errors ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("status", "recoverable"), [(403, False), (404, False), (500, True), (503, True)])
-async def test_http_errors_name_url_and_status(api: FakeApi, tmp_path: Path, status: int, recoverable: bool) -> None:
-    api.node_status = status
-    client = KubeClient.from_config(str(_kubeconfig(tmp_path, api.url, {"token": "t"})))
-    with pytest.raises(KubeError) as err:
-        await client.get_json(f"/api/v1/nodes/{NODE}")
+async def test_http_errors_name_url_and_status(
+    api: FakeApiServer, tmp_path: Path, status: int, recoverable: bool
+) -> None:
+    _fail_node_get(api, status)
+    async with KubeClient.from_config(str(_kubeconfig(tmp_path, api.url, {"token": "t"}))) as client:
+        with pytest.raises(KubeError) as err:
+            await client.get(f"/api/v1/nodes/{NODE}")
     message = str(err.value)
     assert message.startswith(f"GET {api.url}/api/v1/nodes/{NODE}: {status} ")
     assert "forbidden or missing" in message and "\n" not in message
@@ -348,30 +246,31 @@ async def test_http_errors_name_url_and_status(api: FakeApi, tmp_path: Path, sta
 
 
 async def test_connection_refused_is_recoverable(tmp_path: Path) -> None:
-    fake = FakeApi()
-    runner = await _serve(fake)
-    await runner.cleanup()  # the port is now closed
-    client = KubeClient.from_config(str(_kubeconfig(tmp_path, fake.url, {"token": "t"})))
-    with pytest.raises(KubeError, match=f"GET {fake.url}/api/v1/nodes/{NODE}: ") as err:
-        await client.get_json(f"/api/v1/nodes/{NODE}")
+    fake = await FakeApiServer().start()
+    await fake.stop()  # the port is now closed
+    async with KubeClient.from_config(str(_kubeconfig(tmp_path, fake.url, {"token": "t"}))) as client:
+        with pytest.raises(KubeError, match=f"GET {fake.url}/api/v1/nodes/{NODE}: ") as err:
+            await client.get(f"/api/v1/nodes/{NODE}")
     assert err.value.recoverable and err.value.status is None
 
 
 # --- NodeLabelSource --------------------------------------------------------------------
 
 
-async def test_fetch_merges_api_labels_under_static_ones(api: FakeApi, tmp_path: Path) -> None:
-    api.labels = {"pool": "a100", "zone": "z1"}
-    source = _source(api, tmp_path, static_labels={"pool": "pinned", "extra": "1"})
+async def test_fetch_merges_api_labels_under_static_ones(kube: KubeClient, api: FakeApiServer) -> None:
+    api.set_labels({"pool": "a100", "zone": "z1"})
+    source = _source(kube, static_labels={"pool": "pinned", "extra": "1"})
     assert await source.fetch() == {"pool": "pinned", "zone": "z1", "extra": "1"}
     assert source.last_error == ""
 
 
 @pytest.mark.parametrize("status", [403, 404])
-async def test_fetch_error_keeps_last_labels_and_logs_one_line(api: FakeApi, tmp_path: Path, status: int) -> None:
-    source = _source(api, tmp_path, static_labels={"extra": "1"})
+async def test_fetch_error_keeps_last_labels_and_logs_one_line(
+    kube: KubeClient, api: FakeApiServer, tmp_path: Path, status: int
+) -> None:
+    source = _source(kube, static_labels={"extra": "1"})
     assert await source.fetch() == {"pool": "a100", "extra": "1"}
-    api.node_status = status
+    _fail_node_get(api, status)
     with capture_logs() as logs:
         assert await source.fetch() == {"pool": "a100", "extra": "1"}
         assert await source.fetch() == {"pool": "a100", "extra": "1"}
@@ -380,27 +279,29 @@ async def test_fetch_error_keeps_last_labels_and_logs_one_line(api: FakeApi, tmp
     assert f"/api/v1/nodes/{NODE}: {status} " in warnings[0]["error"]
     assert ("get/list/watch on nodes" in warnings[0]["event"]) is (status == 403)
     assert source.last_error == warnings[0]["error"]
-    api.node_status = 200
-    api.labels = {"pool": "h100"}
+    api.clear()
+    api.set_labels({"pool": "h100"})
     with capture_logs() as logs:
         assert await source.fetch() == {"pool": "h100", "extra": "1"}
     assert [e["event"] for e in logs] == ["node labels available again"]
 
 
-async def test_watch_delivers_changes_and_skips_non_changes(api: FakeApi, tmp_path: Path) -> None:
-    source = _source(api, tmp_path, static_labels={"extra": "1"})
+async def test_watch_delivers_changes_and_skips_non_changes(
+    kube: KubeClient, api: FakeApiServer, tmp_path: Path
+) -> None:
+    source = _source(kube, static_labels={"extra": "1"})
     assert await source.fetch() == {"pool": "a100", "extra": "1"}
     watching = Watching(source)
     try:
         query = await api.next_watch()
         assert query["resourceVersion"] == str(api.rv) and query["allowWatchBookmarks"] == "true"
-        api.event("MODIFIED")  # same labels, e.g. a status heartbeat: no callback
+        api.set_labels({"pool": "a100"})  # same labels, e.g. a status heartbeat: no callback
         api.push({"type": "BOOKMARK", "object": {"kind": "Node", "metadata": {"resourceVersion": "555"}}})
         # a big object (a Node lists every image) still arrives as one event
-        api.event("MODIFIED", {"pool": "a100-dra"}, annotations={"big": "x" * 300_000})
+        api.set_labels({"pool": "a100-dra"}, annotations={"big": "x" * 300_000})
         assert await watching.next() == {"pool": "a100-dra", "extra": "1"}
-        api.event("MODIFIED", {"pool": "a100-dra", "extra": "overridden"})  # static label wins: no change
-        api.event("MODIFIED", {})
+        api.set_labels({"pool": "a100-dra", "extra": "overridden"})  # static label wins: no change
+        api.set_labels({})
         assert await watching.next() == {"extra": "1"}
         assert watching.changes.empty()
         assert source.labels == {"extra": "1"}
@@ -408,40 +309,42 @@ async def test_watch_delivers_changes_and_skips_non_changes(api: FakeApi, tmp_pa
         await watching.stop()
 
 
-async def test_watch_without_fetch_reports_the_first_listing(api: FakeApi, tmp_path: Path) -> None:
-    source = _source(api, tmp_path)
+async def test_watch_without_fetch_reports_the_first_listing(
+    kube: KubeClient, api: FakeApiServer, tmp_path: Path
+) -> None:
+    source = _source(kube)
     watching = Watching(source)
     try:
         assert await watching.next() == {"pool": "a100"}
         await api.next_watch()
-        assert api.lists == 1
+        assert _lists(api) == 1
     finally:
         await watching.stop()
 
 
-async def test_watch_reconnects_after_the_stream_drops(api: FakeApi, tmp_path: Path) -> None:
+async def test_watch_reconnects_after_the_stream_drops(kube: KubeClient, api: FakeApiServer) -> None:
     sleep = FakeSleep()
-    source = _source(api, tmp_path, sleep=sleep)
+    source = _source(kube, sleep=sleep)
     await source.fetch()
     watching = Watching(source)
     try:
         await api.next_watch()
-        api.event("MODIFIED", {"pool": "b"})
+        api.set_labels({"pool": "b"})
         assert await watching.next() == {"pool": "b"}
         seen = str(api.rv)
-        api.push(_DROP)
+        api.close_watches()
         await sleep.release()  # one backoff before reconnecting
         query = await api.next_watch()
         assert query["resourceVersion"] == seen  # resumes where it stopped, no relist
-        assert api.lists == 1
-        api.event("MODIFIED", {"pool": "c"})
+        assert _lists(api) == 1
+        api.set_labels({"pool": "c"})
         assert await watching.next() == {"pool": "c"}
         # a stream the server ends cleanly after events is reopened at once, without a sleep
-        api.push(_END)
+        api.end_watches()
         await api.next_watch()
         assert len(sleep.delays) == 1
         # ... and one that ends at once with nothing in it backs off
-        api.push(_END)
+        api.end_watches()
         await sleep.release()
         await api.next_watch()
         assert len(sleep.delays) == 2 and source.watches == 2
@@ -449,31 +352,39 @@ async def test_watch_reconnects_after_the_stream_drops(api: FakeApi, tmp_path: P
         await watching.stop()
 
 
-async def test_gone_relists_and_resumes_from_the_new_version(api: FakeApi, tmp_path: Path) -> None:
+async def test_gone_relists_and_resumes_from_the_new_version(
+    kube: KubeClient, api: FakeApiServer, tmp_path: Path
+) -> None:
     sleep = FakeSleep()
-    source = _source(api, tmp_path, sleep=sleep)
+    source = _source(kube, sleep=sleep)
     await source.fetch()
     watching = Watching(source)
     try:
         await api.next_watch()
-        assert api.lists == 1
-        api.labels = {"pool": "moved-while-away"}
-        api.push(
-            {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}}
-        )
+        assert _lists(api) == 1
+        api.nodes[NODE]["metadata"]["labels"] = {"pool": "moved-while-away"}  # changed while the watch was away
+        api.expire_watches()
         assert await watching.next() == {"pool": "moved-while-away"}  # from the relist
         query = await api.next_watch()
-        assert api.lists == 2 and query["resourceVersion"] == str(api.rv)
+        assert _lists(api) == 2 and query["resourceVersion"] == str(api.rv)
         assert sleep.delays == []  # the first 410 relists at once
     finally:
         await watching.stop()
 
 
-async def test_forbidden_list_logs_once_keeps_labels_and_recovers(api: FakeApi, tmp_path: Path) -> None:
+async def test_forbidden_list_logs_once_keeps_labels_and_recovers(
+    kube: KubeClient, api: FakeApiServer, tmp_path: Path
+) -> None:
     sleep = FakeSleep()
-    source = _source(api, tmp_path, sleep=sleep, static_labels={"extra": "1"})
+    source = _source(kube, sleep=sleep, static_labels={"extra": "1"})
     await source.fetch()
-    api.list_status = 403
+    api.fail(
+        403,
+        times=None,
+        path="/api/v1/nodes",
+        watch=False,
+        message='nodes is forbidden: User "system:serviceaccount:x" cannot list',
+    )
     with capture_logs() as logs:
         watching = Watching(source)
         try:
@@ -482,12 +393,12 @@ async def test_forbidden_list_logs_once_keeps_labels_and_recovers(api: FakeApi, 
             third = await sleep.next()
             assert sleep.delays[0] < sleep.delays[1] < sleep.delays[2]  # exponential backoff
             assert source.labels == {"pool": "a100", "extra": "1"}
-            api.list_status = 200
-            api.labels = {"pool": "dra"}
+            api.clear()
+            api.nodes[NODE]["metadata"]["labels"] = {"pool": "dra"}
             third.set_result(None)
             assert await watching.next() == {"pool": "dra", "extra": "1"}
             await api.next_watch()
-            api.event("MODIFIED", {"pool": "dra2"})
+            api.set_labels({"pool": "dra2"})
             assert await watching.next() == {"pool": "dra2", "extra": "1"}
         finally:
             await watching.stop()
@@ -500,9 +411,9 @@ async def test_forbidden_list_logs_once_keeps_labels_and_recovers(api: FakeApi, 
     assert source.last_error == ""
 
 
-async def test_watch_error_event_backs_off_and_retries(api: FakeApi, tmp_path: Path) -> None:
+async def test_watch_error_event_backs_off_and_retries(kube: KubeClient, api: FakeApiServer) -> None:
     sleep = FakeSleep()
-    source = _source(api, tmp_path, sleep=sleep)
+    source = _source(kube, sleep=sleep)
     await source.fetch()
     watching = Watching(source)
     try:
@@ -511,18 +422,17 @@ async def test_watch_error_event_backs_off_and_retries(api: FakeApi, tmp_path: P
         await sleep.release()
         assert "500 InternalError" in source.last_error
         await api.next_watch()
-        assert api.lists == 1
-        api.event("MODIFIED", {"pool": "z"})
+        assert _lists(api) == 1
+        api.set_labels({"pool": "z"})
         assert await watching.next() == {"pool": "z"}
         assert source.last_error == ""
     finally:
         await watching.stop()
 
 
-async def test_missing_node_in_list_is_an_error_not_a_crash(api: FakeApi, tmp_path: Path) -> None:
+async def test_missing_node_in_list_is_an_error_not_a_crash(kube: KubeClient) -> None:
     sleep = FakeSleep()
-    client = KubeClient.from_config(str(_kubeconfig(tmp_path, api.url, {"token": "t"})))
-    source = NodeLabelSource(client, node_name="other-node", sleep=sleep, static_labels={"a": "b"})
+    source = NodeLabelSource(kube, node_name="other-node", sleep=sleep, static_labels={"a": "b"})
     with capture_logs() as logs:
         watching = Watching(source)
         try:
@@ -549,11 +459,12 @@ async def test_label_source_static_without_api_access(tmp_path: Path) -> None:
     await watching.stop()
 
 
-async def test_label_source_from_kubeconfig_and_in_cluster(api: FakeApi, tmp_path: Path) -> None:
+async def test_label_source_from_kubeconfig_and_in_cluster(api: FakeApiServer, tmp_path: Path) -> None:
     path = _kubeconfig(tmp_path, api.url, {"token": "t"})
     source = label_source(kubeconfig=str(path), node_name=NODE, static_labels={"pool": "pinned"}, env={})
     assert isinstance(source, NodeLabelSource)
     assert await source.fetch() == {"pool": "pinned"}
+    await source.close()  # the source made its own client
 
     sa = _service_account(tmp_path)
     (sa / "ca.crt").unlink()  # the placeholder is no certificate; system roots serve here
@@ -561,9 +472,9 @@ async def test_label_source_from_kubeconfig_and_in_cluster(api: FakeApi, tmp_pat
     in_cluster = label_source(kubeconfig="", node_name=NODE, static_labels={}, env=env, sa_dir=sa)
     assert isinstance(in_cluster, NodeLabelSource)
 
-    exec_config = _kubeconfig(tmp_path, api.url, {"exec": {"command": "x"}})
-    with pytest.raises(KubeConfigError, match="exec credential plugin"):
-        label_source(kubeconfig=str(exec_config), node_name=NODE, static_labels={})
+    bad = _kubeconfig(tmp_path, api.url, {"auth-provider": {"name": "gcp"}})
+    with pytest.raises(KubeConfigError, match="auth-provider plugin"):
+        label_source(kubeconfig=str(bad), node_name=NODE, static_labels={})
 
 
 async def test_absurdly_nested_json_from_the_api_is_a_kube_error(tmp_path: Path) -> None:
@@ -581,8 +492,28 @@ async def test_absurdly_nested_json_from_the_api_is_a_kube_error(tmp_path: Path)
     await site.start()
     try:
         port = runner.addresses[0][1]
-        client = KubeClient(kubeconfig_access(_kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"})))
-        with pytest.raises(KubeError):
-            await client.get_json(f"/api/v1/nodes/{NODE}")
+        access = kubeconfig_access(_kubeconfig(tmp_path, f"http://127.0.0.1:{port}", {"token": "t"}))
+        async with KubeClient(access) as client:
+            with pytest.raises(KubeError):
+                await client.get(f"/api/v1/nodes/{NODE}")
     finally:
         await runner.cleanup()
+
+
+async def test_a_null_label_value_is_dropped_not_turned_into_none(kube: KubeClient, api: FakeApiServer) -> None:
+    """Issue 10 §3: a broken server's null (or number) is no label value; the string "None" never appears."""
+    api.set_labels({"pool": None, "zone": "z1", "count": 3})  # type: ignore[dict-item]
+    source = _source(kube)
+    with capture_logs() as logs:
+        assert await source.fetch() == {"zone": "z1"}
+    dropped = [e for e in logs if e["event"].startswith("node label dropped")]
+    assert [e["key"] for e in dropped] == ["pool", "count"] and all(e["log_level"] == "debug" for e in dropped)
+
+
+async def test_label_source_on_the_shared_client(kube: KubeClient) -> None:
+    source = label_source(client=kube, node_name=NODE, static_labels={"extra": "1"})
+    assert isinstance(source, NodeLabelSource)
+    assert await source.fetch() == {"pool": "a100", "extra": "1"}
+    await source.close()  # not its client: still open
+    assert (await kube.get(f"/api/v1/nodes/{NODE}"))["metadata"]["name"] == NODE
+    assert isinstance(label_source(client=None, node_name=NODE, static_labels={}), StaticLabelSource)

@@ -1,1 +1,1 @@
-"""Read-only access to the Kubernetes API server: the client and the node-label source."""
+"""Access to the Kubernetes API server: one client, discovery, the node-label source, events."""

@@ -1,356 +1,435 @@
-"""A minimal read-only Kubernetes API client on aiohttp: GET JSON and stream a watch.
+"""The Kubernetes API client: JSON requests and watch streams over one aiohttp connection pool.
 
-Credentials come from a kubeconfig file or, in a pod, from the service account
-(``KUBERNETES_SERVICE_HOST``/``_PORT`` plus the token and CA under
-``/var/run/secrets/kubernetes.io/serviceaccount``). Supported kubeconfig auth: bearer
-``token``/``tokenFile`` and client certificates (file or ``-data``), with
-``certificate-authority(-data)`` or ``insecure-skip-tls-verify``. Exec plugins,
-auth-provider plugins and basic auth are refused with a one-line KubeConfigError.
+One :class:`KubeClient` serves the whole process (node labels, ResourceSlices, ResourceClaims,
+Events); the composition root opens it as an async context manager (``agent/kube/session.py``)
+and closes it at shutdown. The session is created on first use, inside the running loop.
 
-Each request opens its own short-lived session: the agent makes a handful of requests an
-hour (a list, then one long watch per few minutes), so there is no connection pool to
-own and nothing to close. Bearer tokens are read from their file on every request
-because projected service-account tokens rotate.
+Every request is bounded (issue 10 §2: nothing the API server sends may exhaust memory or
+stall the loop):
+
+* time: a total per request (30 s by default; callers with a deadline pass less), a connect
+  limit, and for watches an idle limit on the socket instead of a total;
+* size: a response body is streamed and reading stops past a per-request byte limit (an
+  object 4 MiB: etcd keeps at most 1.5 MiB per object and JSON can be larger than the stored
+  protobuf; a list 8 MiB; one watch event 4 MiB), so a 1.5 GB answer costs at most the limit;
+  bodies are never compressed in transit (a small gzip body can inflate without bound);
+* loop time: bodies over 256 KiB are decoded in a worker thread.
+
+Errors are one-line :class:`KubeError` s naming verb, URL, status and the server's message cut
+short; 404, 409 and 410 have their own types (``agent/kube/errors.py``). After a 401 the
+credentials are read (or the exec plugin run) afresh and the request is sent once more.
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
 import contextlib
 import json
-import os
 import ssl
-import tempfile
+import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import aiohttp
-import yaml
+from yarl import URL
 
-from agent.kube.errors import KubeConfigError, KubeError, KubeGoneError
+from agent.kube.access import (
+    SERVICE_ACCOUNT_DIR,
+    ClusterAccess,
+    in_cluster_access,
+    kubeconfig_access,
+    ssl_context,
+)
+from agent.kube.auth import Credentials, credentials_for
+from agent.kube.errors import KubeConflictError, KubeError, KubeGoneError, KubeNotFoundError
+from agent.kube.metrics import KubeMetrics
 
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
 #: ask for metadata only (labels live there), fall back to the full object
 METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 METADATA_LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
 
-#: a watch line longer than this is refused (a full Node with many images is well under it)
-MAX_LINE_BYTES = 16 * 1024 * 1024
+MiB = 1024 * 1024
+#: how much of an error body is read for its message
+ERROR_BODY_BYTES = 16 * 1024
+#: the longest server message quoted in an error
+MESSAGE_CHARS = 400
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterAccess:
-    """Where the API server is and how to authenticate; built by the two loaders below."""
+class Limits:
+    """Bounds on every request; see the module docstring for why these numbers."""
 
-    server: str
-    #: for messages: "in-cluster" or "kubeconfig <path>"
-    source: str
-    token: str = ""
-    #: re-read on every request (rotating service-account tokens)
-    token_file: Path | None = None
-    ca_file: Path | None = None
-    #: PEM text
-    ca_data: str = ""
-    insecure: bool = False
-    client_cert_file: Path | None = None
-    client_key_file: Path | None = None
-    #: PEM bytes, written to a private temp dir only while the SSL context loads them
-    client_cert_data: bytes = b""
-    client_key_data: bytes = b""
-
-
-def _in_cluster_env(env: Mapping[str, str]) -> tuple[str, str] | None:
-    host, port = env.get("KUBERNETES_SERVICE_HOST", ""), env.get("KUBERNETES_SERVICE_PORT", "")
-    return (host, port) if host and port else None
-
-
-def kube_config_available(
-    kubeconfig: str, *, env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR
-) -> bool:
-    """True when an explicit kubeconfig is set, or the pod has in-cluster env and a token."""
-    if kubeconfig:
-        return True
-    env = os.environ if env is None else env
-    return _in_cluster_env(env) is not None and (sa_dir / "token").is_file()
-
-
-def in_cluster_access(
-    *, env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR, server: str = ""
-) -> ClusterAccess:
-    """Service-account access; ``server`` overrides the URL built from the env (tests)."""
-    env = os.environ if env is None else env
-    found = _in_cluster_env(env)
-    if found is None:
-        raise KubeConfigError(
-            "in-cluster config: KUBERNETES_SERVICE_HOST/KUBERNETES_SERVICE_PORT are not set; pass --kubeconfig"
-        )
-    token_file = sa_dir / "token"
-    if not token_file.is_file():
-        raise KubeConfigError(f"in-cluster config: no service-account token at {token_file}")
-    host, port = found
-    if not server:
-        server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-    ca_file = sa_dir / "ca.crt"
-    return ClusterAccess(
-        server=server.rstrip("/"),
-        source="in-cluster",
-        token_file=token_file,
-        ca_file=ca_file if ca_file.is_file() else None,
-    )
-
-
-def kubeconfig_access(path: str | Path) -> ClusterAccess:
-    """Access from a kubeconfig file's current context."""
-    path = Path(path)
-    where = f"kubeconfig {path}"
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise KubeConfigError(f"{where}: cannot read: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise KubeConfigError(f"{where}: not valid YAML: {str(exc).splitlines()[0]}") from exc
-    if not isinstance(doc, dict):
-        raise KubeConfigError(f"{where}: expected a mapping at the top level")
-    current = doc.get("current-context")
-    if not current:
-        raise KubeConfigError(f"{where}: no current-context")
-    context = _named(doc, "contexts", "context", current, where)
-    cluster = _named(doc, "clusters", "cluster", context.get("cluster"), where)
-    user = _named(doc, "users", "user", context.get("user"), where) if context.get("user") else {}
-    server = cluster.get("server")
-    if not isinstance(server, str) or not server:
-        raise KubeConfigError(f"{where}: cluster {context.get('cluster')!r} has no server")
-    user_name = context.get("user")
-    for key, what in (("exec", "an exec credential plugin"), ("auth-provider", "an auth-provider plugin")):
-        if user.get(key):
-            raise KubeConfigError(
-                f"{where}: user {user_name!r} uses {what}, which gpu-node-agent does not support; "
-                "use a token, tokenFile or client certificate"
-            )
-    if user.get("username") or user.get("password"):
-        raise KubeConfigError(f"{where}: user {user_name!r} uses basic auth, which gpu-node-agent does not support")
-    base = path.parent
-
-    def file_of(key: str) -> Path | None:
-        value = cluster.get(key) if key == "certificate-authority" else user.get(key)
-        return (base / value) if isinstance(value, str) and value else None
-
-    cert_data = _b64(user, "client-certificate-data", where)
-    key_data = _b64(user, "client-key-data", where)
-    cert_file, key_file = file_of("client-certificate"), file_of("client-key")
-    if bool(cert_data or cert_file) != bool(key_data or key_file):
-        raise KubeConfigError(f"{where}: user {user_name!r} has a client certificate without a key, or a key alone")
-    return ClusterAccess(
-        server=server.rstrip("/"),
-        source=where,
-        token=str(user.get("token") or ""),
-        token_file=file_of("tokenFile"),
-        ca_file=file_of("certificate-authority"),
-        ca_data=_b64(cluster, "certificate-authority-data", where).decode(),
-        insecure=bool(cluster.get("insecure-skip-tls-verify")),
-        client_cert_file=cert_file,
-        client_key_file=key_file,
-        client_cert_data=cert_data,
-        client_key_data=key_data,
-    )
-
-
-def _named(doc: dict[str, Any], section: str, field: str, name: Any, where: str) -> dict[str, Any]:
-    for entry in doc.get(section) or ():
-        if isinstance(entry, dict) and entry.get("name") == name:
-            body = entry.get(field) or {}
-            if not isinstance(body, dict):
-                raise KubeConfigError(f"{where}: {section}[{name!r}].{field} is not a mapping")
-            return body
-    raise KubeConfigError(f"{where}: no {field} named {name!r} in {section}")
-
-
-def _b64(entry: Mapping[str, Any], key: str, where: str) -> bytes:
-    value = entry.get(key)
-    if not value:
-        return b""
-    try:
-        return base64.b64decode(str(value), validate=True)
-    except (ValueError, RecursionError) as exc:
-        raise KubeConfigError(f"{where}: {key} is not valid base64") from exc
-
-
-def ssl_context(access: ClusterAccess) -> ssl.SSLContext:
-    """The TLS settings for ``access`` (CA, client certificate, or no verification)."""
-    try:
-        if access.insecure:
-            context = ssl.create_default_context()
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        else:
-            context = ssl.create_default_context(
-                cafile=str(access.ca_file) if access.ca_file else None, cadata=access.ca_data or None
-            )
-        if access.client_cert_file and access.client_key_file:
-            context.load_cert_chain(access.client_cert_file, access.client_key_file)
-        elif access.client_cert_data:
-            with tempfile.TemporaryDirectory(prefix="gpu-agent-kube-") as tmp:
-                cert, key = Path(tmp) / "client.crt", Path(tmp) / "client.key"
-                for file, data in ((cert, access.client_cert_data), (key, access.client_key_data)):
-                    file.touch(mode=0o600)
-                    file.write_bytes(data)
-                context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError, ValueError) as exc:
-        raise KubeConfigError(f"{access.source}: TLS setup failed: {exc}") from exc
-    return context
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
+    object_bytes: int = 4 * MiB
+    list_bytes: int = 8 * MiB
+    watch_line_bytes: int = 4 * MiB
+    #: the server is asked to end a watch after this long
+    watch_timeout_s: float = 300.0
+    #: a watch with no byte for this long is dropped; longer than ``watch_timeout_s``, after which
+    #: the server ends the stream itself
+    watch_idle_s: float = 330.0
+    #: connections in the pool; each open watch holds one
+    max_connections: int = 16
+    #: bodies larger than this are decoded off the event loop
+    thread_decode_bytes: int = 256 * 1024
 
 
 class KubeClient:
-    """GET JSON and watch streams against one API server. Read-only; nothing to close."""
+    """Requests against one API server, sharing one connection pool. Close it (or use ``async with``)."""
 
-    def __init__(self, access: ClusterAccess, *, connect_timeout_s: float = 10.0, request_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        access: ClusterAccess,
+        *,
+        limits: Limits | None = None,
+        metrics: KubeMetrics | None = None,
+        credentials: Credentials | None = None,
+    ) -> None:
         self.access = access
-        self._connect_timeout_s = connect_timeout_s
-        self._request_timeout_s = request_timeout_s
+        self.limits = limits or Limits()
+        self._metrics = metrics or KubeMetrics()
+        self._credentials = credentials or credentials_for(access)
         self._ssl: ssl.SSLContext | bool = ssl_context(access) if access.server.startswith("https:") else True
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     @classmethod
     def from_config(
-        cls, kubeconfig: str, *, env: Mapping[str, str] | None = None, sa_dir: Path = SERVICE_ACCOUNT_DIR
+        cls,
+        kubeconfig: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        sa_dir: Path = SERVICE_ACCOUNT_DIR,
+        limits: Limits | None = None,
+        metrics: KubeMetrics | None = None,
     ) -> KubeClient:
         """From ``kubeconfig`` when set, else in-cluster. Raises KubeConfigError."""
-        if kubeconfig:
-            return cls(kubeconfig_access(kubeconfig))
-        return cls(in_cluster_access(env=env, sa_dir=sa_dir))
+        access = kubeconfig_access(kubeconfig) if kubeconfig else in_cluster_access(env=env, sa_dir=sa_dir)
+        return cls(access, limits=limits, metrics=metrics)
 
     @property
     def server(self) -> str:
         return self.access.server
 
-    async def get_json(
-        self, path: str, params: Mapping[str, str] | None = None, *, accept: str = "application/json"
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the pool; idempotent. Requests after this fail with a KubeError."""
+        self._closed = True
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
+
+    def _pool(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise KubeError(f"{self.server}: the API client is closed")
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.limits.max_connections)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                headers={"User-Agent": "gpu-node-agent", "Accept-Encoding": "identity"},
+            )
+        return self._session
+
+    # --- verbs -----------------------------------------------------------------------
+
+    async def get(
+        self,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        *,
+        accept: str = JSON,
+        timeout_s: float | None = None,
+        max_bytes: int | None = None,
     ) -> dict[str, Any]:
-        """GET ``path`` and decode the JSON object. Raises KubeError naming the URL."""
-        url = self.server + path
-        timeout = aiohttp.ClientTimeout(total=self._request_timeout_s, sock_connect=self._connect_timeout_s)
+        """GET one object (or anything small). Raises KubeError naming the URL."""
+        return await self._call(
+            "get", "GET", path, params, None, accept=accept, timeout_s=timeout_s, max_bytes=max_bytes
+        )
+
+    async def list(
+        self,
+        path: str,
+        params: Mapping[str, str] | None = None,
+        *,
+        accept: str = JSON,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """GET a collection (bounded by ``limits.list_bytes``)."""
+        return await self._call(
+            "list", "GET", path, params, None, accept=accept, timeout_s=timeout_s, max_bytes=self.limits.list_bytes
+        )
+
+    async def create(
+        self, path: str, body: Mapping[str, Any], params: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """POST ``body`` to a collection; returns the stored object."""
+        return await self._call("create", "POST", path, params, body)
+
+    async def replace(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """PUT ``body`` (with ``metadata.resourceVersion`` for a conditional update)."""
+        return await self._call("update", "PUT", path, None, body)
+
+    async def patch(self, path: str, body: Mapping[str, Any], *, content_type: str = MERGE_PATCH) -> dict[str, Any]:
+        return await self._call("patch", "PATCH", path, None, body, content_type=content_type)
+
+    async def delete(self, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """DELETE, optionally with DeleteOptions (preconditions)."""
+        return await self._call("delete", "DELETE", path, None, body)
+
+    async def _call(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: Mapping[str, Any] | None,
+        *,
+        accept: str = JSON,
+        content_type: str = JSON,
+        timeout_s: float | None = None,
+        max_bytes: int | None = None,
+    ) -> dict[str, Any]:
+        url = URL(self.server + path).update_query(dict(params or {}))
+        limit = max_bytes or self.limits.object_bytes
+        timeout = aiohttp.ClientTimeout(
+            total=timeout_s or self.limits.request_timeout_s, sock_connect=self.limits.connect_timeout_s
+        )
+        data = None if body is None else json.dumps(body).encode()
+        where = f"{method} {url}"
+        started = time.monotonic()
+        result = "ok"
         try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.get(url, params=params, headers=self._headers(accept), ssl=self._ssl) as resp,
-            ):
-                await _raise_for_status(resp)
-                body = await resp.json(content_type=None)
-        except KubeError:
+            headers = await self._headers(accept)
+            if data is not None:
+                headers["Content-Type"] = content_type
+            for attempt in (1, 2):
+                async with self._pool().request(
+                    method, url, data=data, headers=headers, ssl=self._ssl, timeout=timeout, allow_redirects=False
+                ) as resp:
+                    if resp.status == 401 and attempt == 1 and await self._renewed(headers):
+                        continue
+                    await _raise_for_status(where, resp)
+                    raw = await _read_limited(where, resp, limit)
+                break
+            return await self._decode(where, raw)
+        except KubeError as exc:
+            result = _result_of(exc)
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, RecursionError) as exc:
-            raise _connection_error("GET", url, exc) from exc
-        if not isinstance(body, dict):
-            raise KubeError(f"GET {url}: expected a JSON object, got {type(body).__name__}", recoverable=True)
-        return body
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            error = _connection_error(where, exc, timeout.total)
+            result = _result_of(error)
+            raise error from exc
+        finally:
+            self._metrics.observe(verb, resource_of(path), result, time.monotonic() - started)
 
     async def watch(
         self,
         path: str,
         params: Mapping[str, str] | None = None,
         *,
-        timeout_s: float = 300.0,
-        accept: str = "application/json",
+        timeout_s: float | None = None,
+        accept: str = JSON,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Yield watch events (``{"type", "object"}``) until the server ends the stream.
 
-        The server is asked to end it after ``timeout_s``; the socket read timeout is a bit
-        longer so that a silently dead connection is noticed. An ``ERROR`` event becomes a
-        KubeError (KubeGoneError for 410). Use with ``contextlib.aclosing`` so that leaving
-        the loop early closes the connection.
+        The server is asked to end it after ``timeout_s``; a socket silent for
+        ``limits.watch_idle_s`` is dropped. An ``ERROR`` event becomes a KubeError
+        (KubeGoneError for 410). Use with ``contextlib.aclosing`` so that leaving the loop
+        early closes the connection.
         """
+        timeout_s = timeout_s or self.limits.watch_timeout_s
         query = {**(params or {}), "watch": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
-        url = self.server + path
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout_s, sock_read=timeout_s + 30)
+        url = URL(self.server + path).update_query(query)
+        where = f"watch {url}"
+        idle = self.limits.watch_idle_s
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout_s, sock_read=idle)
+        started = time.monotonic()
+        opened = False
         try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.get(url, params=query, headers=self._headers(accept), ssl=self._ssl) as resp,
-            ):
-                await _raise_for_status(resp)
-                buffer = b""
-                async for chunk in resp.content.iter_any():
-                    buffer += chunk
-                    *lines, buffer = buffer.split(b"\n")
-                    if len(buffer) > MAX_LINE_BYTES:
-                        raise KubeError(f"watch {url}: event longer than {MAX_LINE_BYTES} bytes", recoverable=True)
-                    for line in lines:
-                        if line.strip():
-                            yield _event(url, line)
-                if buffer.strip():
-                    yield _event(url, buffer)
-        except KubeError:
+            headers = await self._headers(accept)
+            async with self._pool().get(url, headers=headers, ssl=self._ssl, timeout=timeout) as resp:
+                if resp.status == 401 and await self._renewed(headers):
+                    raise KubeError(f"{where}: 401 Unauthorized (credentials renewed; retry)", recoverable=True)
+                await _raise_for_status(where, resp)
+                opened = True
+                self._metrics.observe("watch", resource_of(path), "ok", time.monotonic() - started)
+                async for line in _lines(where, resp, self.limits.watch_line_bytes):
+                    yield await self._event(where, line)
+        except KubeError as exc:
+            if not opened:
+                self._metrics.observe("watch", resource_of(path), _result_of(exc), time.monotonic() - started)
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise _connection_error("watch", url, exc) from exc
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            error = _connection_error(where, exc, idle if opened else timeout.sock_connect)
+            if not opened:
+                self._metrics.observe("watch", resource_of(path), _result_of(error), time.monotonic() - started)
+            raise error from exc
 
-    def _headers(self, accept: str) -> dict[str, str]:
-        headers = {"Accept": accept, "User-Agent": "gpu-node-agent"}
-        token = self._token()
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
+    # --- helpers -----------------------------------------------------------------------
+
+    async def _headers(self, accept: str) -> dict[str, str]:
+        headers = {"Accept": accept}
+        authorization = await self._credentials.header()
+        if authorization:
+            headers["Authorization"] = authorization
         return headers
 
-    def _token(self) -> str:
-        if self.access.token_file is None:
-            return self.access.token
-        try:
-            return self.access.token_file.read_text().strip()
-        except OSError as exc:
+    async def _renewed(self, headers: dict[str, str]) -> bool:
+        """After a 401: put fresh credentials in ``headers``; whether they differ (then retry once)."""
+        self._credentials.expire()
+        fresh = await self._credentials.header()
+        if fresh == headers.get("Authorization", ""):
+            return False
+        headers["Authorization"] = fresh
+        return True
+
+    async def _decode(self, where: str, raw: bytes) -> dict[str, Any]:
+        if len(raw) > self.limits.thread_decode_bytes:
+            body = await asyncio.to_thread(_loads, where, raw)
+        else:
+            body = _loads(where, raw)
+        if not isinstance(body, dict):
+            raise KubeError(f"{where}: expected a JSON object, got {type(body).__name__}", recoverable=True)
+        return body
+
+    async def _event(self, where: str, line: bytes) -> dict[str, Any]:
+        event = await self._decode(where, line)
+        if not isinstance(event.get("object"), dict) or not isinstance(event.get("type"), str):
+            raise KubeError(f"{where}: malformed event {line[:80]!r}", recoverable=True)
+        if event["type"] == "ERROR":
+            status = event["object"]
+            code = status.get("code")
+            text = f"{where}: {code} {status.get('reason', '')}: {_cut(str(status.get('message', '')))}"
+            if code == 410:
+                raise KubeGoneError(text)
             raise KubeError(
-                f"{self.access.source}: cannot read token {self.access.token_file}: {exc.strerror or exc}",
-                recoverable=True,
-            ) from exc
+                text,
+                status=code if isinstance(code, int) else None,
+                recoverable=not isinstance(code, int) or code >= 500 or code == 429,
+            )
+        return event
 
 
-async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
+def resource_of(path: str) -> str:
+    """The resource a request path names, for metrics: ``/apis/g/v/namespaces/ns/things/x`` -> ``things``."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    if parts[:1] == ["api"]:
+        parts = parts[2:]
+    elif parts[:1] == ["apis"]:
+        parts = parts[3:]
+    if len(parts) >= 3 and parts[0] == "namespaces":
+        parts = parts[2:]
+    return parts[0] if parts else "discovery"
+
+
+def _loads(where: str, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise KubeError(f"{where}: undecodable JSON: {_cut(str(exc))}", recoverable=True) from exc
+
+
+async def _read_limited(where: str, resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    length = resp.content_length
+    if length is not None and length > limit:
+        resp.close()
+        raise KubeError(f"{where}: response of {length} bytes is over the limit of {limit} bytes", recoverable=True)
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(64 * 1024):
+        data += chunk
+        if len(data) > limit:
+            resp.close()
+            raise KubeError(f"{where}: response is over the limit of {limit} bytes; stopped reading", recoverable=True)
+    return bytes(data)
+
+
+async def _lines(where: str, resp: aiohttp.ClientResponse, limit: int) -> AsyncGenerator[bytes, None]:
+    """Newline-separated lines of a watch stream, each at most ``limit`` bytes."""
+    buffer = bytearray()
+    async for chunk in resp.content.iter_any():
+        start = len(buffer)
+        buffer += chunk
+        while (end := buffer.find(b"\n", start)) >= 0:
+            if end > limit:
+                break
+            line = bytes(buffer[:end])
+            del buffer[: end + 1]
+            start = 0
+            if line.strip():
+                yield line
+        if len(buffer) > limit:
+            resp.close()
+            raise KubeError(f"{where}: event longer than {limit} bytes", recoverable=True)
+    if bytes(buffer).strip():
+        yield bytes(buffer)
+
+
+async def _raise_for_status(where: str, resp: aiohttp.ClientResponse) -> None:
     if resp.status < 400:
         return
-    message = ""
+    text = ""
     with contextlib.suppress(aiohttp.ClientError, ValueError, TimeoutError):
-        text = (await resp.content.read(4096)).decode(errors="replace")
-        message = _status_message(text) or text
-    line = f"GET {resp.url}: {resp.status} {resp.reason or ''}".rstrip()
-    if message:
-        line += ": " + " ".join(message.split())[:300]
+        text = (await resp.content.read(ERROR_BODY_BYTES)).decode(errors="replace")
+    status = _status_of(text)
+    message = str(status.get("message") or "") if status else text
+    line = f"{where}: {resp.status} {resp.reason or ''}".rstrip()
+    if message.strip():
+        line += ": " + _cut(message)
+    if resp.status == 404:
+        # a missing object comes with a Status naming it; an unserved path with a bare 404
+        details = status.get("details") if status else None
+        raise KubeNotFoundError(line, object_missing=isinstance(details, dict) and bool(details.get("name")))
+    if resp.status == 409:
+        raise KubeConflictError(line)
     if resp.status == 410:
         raise KubeGoneError(line)
     raise KubeError(line, status=resp.status, recoverable=resp.status >= 500 or resp.status == 429)
 
 
-def _status_message(text: str) -> str:
+def _status_of(text: str) -> dict[str, Any] | None:
     try:
         body = json.loads(text)
     except (ValueError, RecursionError):
-        return ""
-    return str(body.get("message") or "") if isinstance(body, dict) else ""
+        return None
+    return body if isinstance(body, dict) and body.get("kind") == "Status" else None
 
 
-def _event(url: str, line: bytes) -> dict[str, Any]:
-    try:
-        event = json.loads(line)
-    except (ValueError, RecursionError) as exc:
-        raise KubeError(f"watch {url}: undecodable event: {exc}", recoverable=True) from exc
-    if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
-        raise KubeError(f"watch {url}: malformed event {line[:80]!r}", recoverable=True)
-    if event.get("type") == "ERROR":
-        status = event["object"]
-        code = status.get("code")
-        line_text = f"watch {url}: {code} {status.get('reason', '')}: {status.get('message', '')}"
-        if code == 410:
-            raise KubeGoneError(line_text)
-        raise KubeError(
-            line_text,
-            status=code if isinstance(code, int) else None,
-            recoverable=not isinstance(code, int) or code >= 500 or code == 429,
-        )
-    return event
+def _cut(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MESSAGE_CHARS else text[:MESSAGE_CHARS] + "…"
 
 
-def _connection_error(verb: str, url: str, exc: BaseException) -> KubeError:
+def _result_of(exc: KubeError) -> str:
+    if exc.status is not None:
+        return str(exc.status)
+    message = str(exc)
+    if "no answer within" in message or "timed out" in message:
+        return "timeout"
+    if "over the limit" in message or "longer than" in message:
+        return "too-large"
+    return "connection"
+
+
+def _connection_error(where: str, exc: BaseException, timeout_s: float | None) -> KubeError:
+    if isinstance(exc, TimeoutError):
+        within = f" within {timeout_s:g}s" if timeout_s else ""
+        kind = "could not connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "no answer"
+        return KubeError(f"{where}: {kind}{within} (timed out)", recoverable=True)
     detail = str(exc) or type(exc).__name__
     # a certificate the server will keep presenting is not fixed by retrying
     tls = isinstance(exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError)
-    return KubeError(f"{verb} {url}: {type(exc).__name__}: {' '.join(detail.split())}", recoverable=not tls)
+    return KubeError(f"{where}: {type(exc).__name__}: {_cut(detail)}", recoverable=not tls)

@@ -4,9 +4,10 @@ Ownership rules may match nodes by label (``ownership.nodes[].match.labels``) an
 ConfigMap serves every node, so each agent reads its own Node object. A platform team that
 relabels a node pool (say, to move it to DRA) sees the agents follow within seconds.
 
-``label_source`` picks the implementation: :class:`NodeLabelSource` when a kubeconfig is
-given or the pod runs in-cluster, else :class:`StaticLabelSource` (labels from the config
-only). Labels set in the config (``node_labels``) win over the API's.
+``label_source`` picks the implementation: :class:`NodeLabelSource` on the process's shared
+API client when there is one, else :class:`StaticLabelSource` (labels from the config only).
+Labels set in the config (``node_labels``) win over the API's. A label whose value is not a
+string (a null from a broken server) is dropped with a debug line, never turned into "None".
 
 The DaemonSet's service account needs read access to Node objects (a ClusterRole;
 ``config/daemonset.yaml`` carries it)::
@@ -36,13 +37,8 @@ from urllib.parse import quote
 import structlog
 
 from agent.backoff import Backoff
-from agent.kube.client import (
-    METADATA_ACCEPT,
-    METADATA_LIST_ACCEPT,
-    SERVICE_ACCOUNT_DIR,
-    KubeClient,
-    kube_config_available,
-)
+from agent.kube.access import SERVICE_ACCOUNT_DIR, kube_config_available
+from agent.kube.client import METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
 from agent.kube.errors import KubeError, KubeGoneError
 
 log = structlog.get_logger("agent.kube")
@@ -89,8 +85,11 @@ class NodeLabelSource:
         clock: Clock = time.monotonic,
         watch_timeout_s: float = 300.0,
         min_watch_s: float = 1.0,
+        owns_client: bool = False,
     ) -> None:
         self._client = client
+        #: a client this source made itself (see ``label_source``) is closed when ``watch`` ends
+        self._owns_client = owns_client
         self.node_name = node_name
         self._static = dict(static_labels or {})
         self._backoff = backoff or Backoff()
@@ -110,6 +109,11 @@ class NodeLabelSource:
         self.watches = 0
         self.relists = 0
 
+    async def close(self) -> None:
+        """Close the client if this source made it itself (``label_source(kubeconfig=...)``)."""
+        if self._owns_client:
+            await self._client.close()
+
     @property
     def labels(self) -> dict[str, str]:
         return {**self._api_labels, **self._static}
@@ -121,7 +125,7 @@ class NodeLabelSource:
         config's labels, and ``watch`` corrects them once the server answers.
         """
         try:
-            node = await self._client.get_json(f"/api/v1/nodes/{quote(self.node_name)}", accept=METADATA_ACCEPT)
+            node = await self._client.get(f"/api/v1/nodes/{quote(self.node_name)}", accept=METADATA_ACCEPT)
         except KubeError as exc:
             self._failed(exc)
             return self.labels
@@ -132,6 +136,12 @@ class NodeLabelSource:
 
     async def watch(self, on_change: OnChange) -> None:
         """List, then watch the Node until cancelled, calling ``on_change`` on every change."""
+        try:
+            await self._watch(on_change)
+        finally:
+            await self.close()
+
+    async def _watch(self, on_change: OnChange) -> None:
         attempt = 0
         gone_in_a_row = 0
         while True:
@@ -168,7 +178,7 @@ class NodeLabelSource:
 
     async def _list(self, on_change: OnChange) -> None:
         """List the one Node, apply its labels and watch from the list's resourceVersion."""
-        body = await self._client.get_json(
+        body = await self._client.list(
             "/api/v1/nodes", {"fieldSelector": f"metadata.name={self.node_name}"}, accept=METADATA_LIST_ACCEPT
         )
         items = body.get("items")
@@ -241,7 +251,13 @@ def _labels_of(obj: Mapping[str, Any]) -> dict[str, str]:
     labels = metadata.get("labels") if isinstance(metadata, dict) else None
     if not isinstance(labels, dict):
         return {}
-    return {str(k): str(v) for k, v in labels.items()}
+    out: dict[str, str] = {}
+    for key, value in labels.items():
+        if isinstance(key, str) and isinstance(value, str):
+            out[key] = value
+        else:
+            log.debug("node label dropped: its value is not a string", key=str(key)[:80], value=repr(value)[:40])
+    return out
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:
@@ -251,19 +267,24 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
 
 def label_source(
     *,
-    kubeconfig: str,
     node_name: str,
     static_labels: Mapping[str, str],
+    client: KubeClient | None = None,
+    kubeconfig: str | None = None,
     env: Mapping[str, str] | None = None,
     sa_dir: Path = SERVICE_ACCOUNT_DIR,
 ) -> NodeLabelSource | StaticLabelSource:
-    """The API-backed source when API access is configured, else the static one.
+    """The API-backed source on ``client`` when there is one, else the static one.
 
-    Raises KubeConfigError (a ConfigError) when an explicit kubeconfig cannot be used.
+    ``kubeconfig`` (with ``env``/``sa_dir``) is the older form for a caller without a shared
+    client: the source then makes its own client and closes it when its watch ends. Raises
+    KubeConfigError (a ConfigError) when that explicit kubeconfig cannot be used.
     """
-    if not kube_config_available(kubeconfig, env=env, sa_dir=sa_dir):
+    owns = False
+    if client is None and kubeconfig is not None and kube_config_available(kubeconfig, env=env, sa_dir=sa_dir):
+        client, owns = KubeClient.from_config(kubeconfig, env=env, sa_dir=sa_dir), True
+    if client is None:
         log.info("no Kubernetes API access configured; node labels come from the config only", node=node_name)
         return StaticLabelSource(static_labels)
-    client = KubeClient.from_config(kubeconfig, env=env, sa_dir=sa_dir)
     log.info("node labels come from the API server", node=node_name, server=client.server, source=client.access.source)
-    return NodeLabelSource(client, node_name=node_name, static_labels=static_labels)
+    return NodeLabelSource(client, node_name=node_name, static_labels=static_labels, owns_client=owns)

@@ -1,0 +1,225 @@
+"""What this node's ResourceSlices should hold, and the writes that get the API there. Pure.
+
+One pool per node (pool name = node name) with every DRA device whose GPU is granted to DRA.
+A healthy device is published as it is; an unhealthy one (health ``unknown`` counts as not
+healthy) is left out, or, where the cluster keeps device taints, published with a
+``NoSchedule`` taint ``<driver>/unhealthy`` whose value says why. A pool with no devices has
+no slices (a node without DRA GPUs writes nothing).
+
+Slices hold at most 128 devices, 64 when any device carries a taint (1.35's limit); a bigger
+pool is split into several slices with the same generation and ``resourceSliceCount``.
+:func:`plan` compares the desired pool with the stored slices and returns nothing to do when
+they agree (zero writes in steady state); otherwise every slice of the pool is written with
+generation ``max(seen) + 1`` and the rest are deleted, as the upstream helper does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from agent.dra.devices import DraDevice
+
+MAX_DEVICES = 128
+#: a slice with a tainted device (or counters) holds fewer devices from 1.35
+MAX_DEVICES_WITH_TAINTS = 64
+#: the apiserver generates ``<generateName><5 random chars>`` and cuts the prefix at 58
+MAX_GENERATE_NAME = 58
+NO_SCHEDULE = "NoSchedule"
+
+AttributeValue = int | bool | str
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    value: str
+    effect: str = NO_SCHEDULE
+
+
+@dataclass(frozen=True, slots=True)
+class SliceDevice:
+    """A device as a slice holds it, comparable whatever API version it was read with."""
+
+    name: str
+    #: (key, kind, value), sorted by key
+    attributes: tuple[tuple[str, str, AttributeValue], ...] = ()
+    #: (key, quantity), sorted by key
+    capacity: tuple[tuple[str, str], ...] = ()
+    taints: tuple[Taint, ...] = ()
+
+    @classmethod
+    def of(cls, device: DraDevice, taints: tuple[Taint, ...] = ()) -> SliceDevice:
+        return cls(
+            name=device.name,
+            attributes=tuple(sorted((k, a.kind, a.value) for k, a in device.attributes.items())),
+            capacity=tuple(sorted(device.capacity.items())),
+            taints=taints,
+        )
+
+    @property
+    def gpu_uuid(self) -> str:
+        """The physical GPU this device is on, from its own attributes ("" when it names none)."""
+        values = {key: value for key, _, value in self.attributes}
+        found = values.get("parentUUID") or values.get("uuid")
+        return found if isinstance(found, str) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredSlice:
+    """One of our ResourceSlices as the API server holds it."""
+
+    name: str
+    uid: str
+    resource_version: str
+    driver: str
+    pool: str
+    generation: int
+    count: int
+    node_name: str
+    devices: tuple[SliceDevice, ...]
+    #: UID of the controlling owner reference to a Node ("" when there is none)
+    owner_uid: str = ""
+
+    @property
+    def gpus(self) -> frozenset[str]:
+        return frozenset(d.gpu_uuid for d in self.devices if d.gpu_uuid)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The writes that turn the stored slices into the desired pool; empty when they agree."""
+
+    generation: int = 0
+    #: (stored slice, its new devices): PUT with the stored resourceVersion
+    updates: tuple[tuple[StoredSlice, tuple[SliceDevice, ...]], ...] = ()
+    creates: tuple[tuple[SliceDevice, ...], ...] = ()
+    deletes: tuple[StoredSlice, ...] = ()
+    #: resourceSliceCount for every written slice
+    count: int = 0
+    reasons: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.updates or self.creates or self.deletes)
+
+
+def taint_key(driver: str) -> str:
+    return f"{driver}/unhealthy"
+
+
+def pool_devices(
+    devices: Sequence[DraDevice],
+    *,
+    granted: Callable[[str], bool],
+    unhealthy_cause: Callable[[str], str | None],
+    driver: str,
+    taints: bool,
+) -> tuple[SliceDevice, ...]:
+    """The devices of the pool, in ``devices`` order.
+
+    ``granted(gpu_uuid)`` says whether DRA may offer the GPU; ``unhealthy_cause(uuid)`` is None
+    for a healthy device and the reason otherwise; ``taints`` whether the cluster keeps taints.
+    """
+    out: list[SliceDevice] = []
+    for device in devices:
+        if not granted(device.gpu_uuid):
+            continue
+        cause = unhealthy_cause(device.uuid)
+        if cause is None:
+            out.append(SliceDevice.of(device))
+        elif taints:
+            out.append(SliceDevice.of(device, (Taint(taint_key(driver), label_value(cause)),)))
+    return tuple(out)
+
+
+def split(devices: Sequence[SliceDevice]) -> tuple[tuple[SliceDevice, ...], ...]:
+    """Chunks of at most 128 devices (64 when any is tainted); none for an empty pool."""
+    size = MAX_DEVICES_WITH_TAINTS if any(d.taints for d in devices) else MAX_DEVICES
+    return tuple(tuple(devices[i : i + size]) for i in range(0, len(devices), size))
+
+
+def plan(
+    desired: Sequence[tuple[SliceDevice, ...]],
+    stored: Sequence[StoredSlice],
+    *,
+    node: str,
+    driver: str,
+    node_uid: str,
+    last_generation: int = 0,
+) -> Plan:
+    """The writes from ``stored`` (our slices as listed) to ``desired`` (from :func:`split`).
+
+    Slices of the current generation are reused (see :func:`_pair`); any other stored slice
+    (an older generation, another pool name, left over from a bigger pool) is deleted.
+    """
+    top = max((s.generation for s in stored), default=0)
+    current = sorted((s for s in stored if s.generation == top and s.pool == node), key=lambda s: s.name)
+    paired, new = _pair(desired, current)
+    reused = {s.name for s, _ in paired}
+    leftover = [s for s in stored if s.name not in reused]
+    reasons: list[str] = []
+    if leftover:
+        reasons.append(f"{len(leftover)} obsolete slice(s)")
+    if new:
+        reasons.append(f"{len(new)} slice(s) missing")
+    for s, devices in paired:
+        if s.devices != devices:
+            reasons.append(f"devices of {s.name} differ")
+        elif s.count != len(desired) or s.owner_uid != node_uid or s.node_name != node or s.driver != driver:
+            reasons.append(f"pool fields of {s.name} differ")
+    if not reasons:
+        return Plan(generation=top, count=len(desired))
+    generation = max(top, last_generation) + 1 if desired else top
+    return Plan(
+        generation=generation,
+        updates=tuple(paired),
+        creates=new,
+        deletes=tuple(leftover),
+        count=len(desired),
+        reasons=tuple(reasons),
+    )
+
+
+def _pair(
+    desired: Sequence[tuple[SliceDevice, ...]], current: list[StoredSlice]
+) -> tuple[list[tuple[StoredSlice, tuple[SliceDevice, ...]]], tuple[tuple[SliceDevice, ...], ...]]:
+    """Match desired slices to stored ones: identical content first, then most device names in
+    common (names are random, so order says nothing); the desired slices left over are new."""
+    free = list(current)
+    matched: dict[int, StoredSlice] = {}
+    for i, devices in enumerate(desired):
+        same = next((s for s in free if s.devices == devices), None)
+        if same is not None:
+            matched[i] = same
+            free.remove(same)
+    for i, devices in enumerate(desired):
+        if i in matched or not free:
+            continue
+        names = {d.name for d in devices}
+        best = max(free, key=lambda s: len(names & {d.name for d in s.devices}))
+        matched[i] = best
+        free.remove(best)
+    paired = [(matched[i], devices) for i, devices in enumerate(desired) if i in matched]
+    return paired, tuple(devices for i, devices in enumerate(desired) if i not in matched)
+
+
+def generate_name(node: str, driver: str) -> str:
+    """``<node>-<driver>-``, cut to the apiserver's 58-character prefix at a clean boundary."""
+    base = f"{node}-{driver}"
+    if len(base) > MAX_GENERATE_NAME - 1:
+        # a label of a DNS subdomain may not end in '-' or '.', and the random suffix follows
+        base = base[: MAX_GENERATE_NAME - 1].rstrip(".-")
+    return base + "-"
+
+
+_LABEL_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value (taint values are label values): ≤ 63 characters of
+    ``[A-Za-z0-9_.-]``, alphanumeric at both ends; "unknown" when nothing is left."""
+    value = _LABEL_BAD.sub("-", text)[:63]
+    value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+    return value or "unknown"
