@@ -29,6 +29,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.cdi import generate
+from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
 from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
 from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
@@ -43,8 +44,9 @@ from agent.inventory.state import InventoryState
 
 log = structlog.get_logger("agent.cdi")
 
-#: answers "which claims are prepared, with which devices" (the DRA checkpoint)
-PreparedClaims = Callable[[], Mapping[str, Sequence[str]]]
+#: answers "which claims are prepared, with which devices" (the DRA checkpoint); a value is
+#: the claim's device UUIDs, or a ClaimDevices when the claim adds environment variables
+PreparedClaims = Callable[[], Mapping[str, Sequence[str] | ClaimDevices]]
 
 
 class CdiProvider(Protocol):
@@ -56,7 +58,9 @@ class CdiProvider(Protocol):
 
     async def ensure_device_plugin_spec(self) -> None: ...
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]: ...
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]: ...
 
     async def unprepare_claim(self, claim_uid: str) -> None: ...
 
@@ -113,7 +117,7 @@ class CdiService:
         )
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        self._claims: dict[str, tuple[str, ...]] = {}  # prepared through this service
+        self._claims: dict[str, ClaimDevices] = {}  # prepared through this service
         self._unprepared: set[str] = set()  # until the external source forgets them too
         self._source: PreparedClaims | None = None
         self._skipped: frozenset[str] = frozenset()
@@ -190,21 +194,28 @@ class CdiService:
         """Let DRA answer which claims are prepared (used by the reconciler from now on)."""
         self._source = source
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
-        """Write the claim's spec and return one qualified name per device, in order."""
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]:
+        """Write the claim's spec and return one qualified name per device, in order.
+
+        ``env`` (device UUID -> ``NAME=VALUE`` entries) is appended to those devices' edits.
+        """
         check_claim_uid(claim_uid)
         if not devices:
             raise CdiError(f"claim {claim_uid}: no devices to prepare")
+        claim = ClaimDevices(devices=tuple(devices), env={k: tuple(v) for k, v in (env or {}).items()})
         async with self._lock:
-            names = await asyncio.to_thread(self._write_claim, claim_uid, tuple(devices), self._inventory())
-            self._claims[claim_uid] = tuple(devices)
+            names = await asyncio.to_thread(self._write_claim, claim_uid, claim, self._inventory())
+            self._claims[claim_uid] = claim
             self._unprepared.discard(claim_uid)
         return names
 
-    def _write_claim(self, claim_uid: str, devices: tuple[str, ...], inventory: Inventory) -> list[str]:
+    def _write_claim(self, claim_uid: str, claimed: ClaimDevices, inventory: Inventory) -> list[str]:
         kind = self._config.claim_kind
+        devices = claimed.devices
         driver = self._reconciler.discover(inventory)
-        claim = generate.claim_spec(kind, claim_uid, devices, inventory, driver)
+        claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
         self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec)
@@ -219,11 +230,11 @@ class CdiService:
             if self._source is not None:
                 self._unprepared.add(claim_uid)
 
-    def prepared_claims(self) -> dict[str, tuple[str, ...]]:
+    def prepared_claims(self) -> dict[str, ClaimDevices]:
         """The external source's claims, plus ours (prepare writes CDI before the checkpoint)."""
-        out: dict[str, tuple[str, ...]] = {}
+        out: dict[str, ClaimDevices] = {}
         if self._source is not None:
-            external = {uid: tuple(devs) for uid, devs in self._source().items()}
+            external = {uid: as_claim_devices(devs) for uid, devs in self._source().items()}
             self._unprepared &= set(external)  # forgotten by the source: the tombstone can go
             out.update({uid: devs for uid, devs in external.items() if uid not in self._unprepared})
         out.update(self._claims)
@@ -333,7 +344,9 @@ class NullCdiService:
     async def ensure_device_plugin_spec(self) -> None:
         return None
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]:
         # a DRA claim prepared without CDI devices would start a container without its GPUs
         raise CdiError(f"claim {claim_uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
 
