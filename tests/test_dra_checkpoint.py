@@ -99,7 +99,7 @@ def test_schema_errors_are_corruption_even_with_a_valid_checksum(tmp_path: Path)
 def test_a_claim_listed_twice_is_corruption() -> None:
     raw = json.loads(encode([claim()], boot_id="b", written_at=NOW))
     raw["data"]["claims"].append(raw["data"]["claims"][0])
-    from agent.dra.checkpoint import _Unusable, _checksum
+    from agent.dra.checkpoint import _checksum, _Unusable
 
     raw["checksum"] = _checksum(raw["data"])
     with pytest.raises(_Unusable, match="listed twice"):
