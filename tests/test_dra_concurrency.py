@@ -17,6 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from agent.cdi.claimenv import ClaimDevices
+from agent.cdi.errors import CdiError
 from agent.dra.checkpoint import CheckpointStore
 from agent.dra.claim import ClaimRef, ResourceClaim
 from agent.dra.driver import DraDriver
@@ -46,17 +48,18 @@ class YieldingCdi:
         self.rng = rng
         self.specs: dict[str, tuple[str, ...]] = {}
 
-    async def prepare_claim(
-        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
-    ) -> list[str]:
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
         for _ in range(self.rng.randrange(4)):
             await asyncio.sleep(0)
-        self.specs[claim_uid] = tuple(devices)
-        return [f"k/claim={claim_uid}-{d}" for d in devices]
+        for uid, claim in claims.items():
+            self.specs[uid] = claim.devices
+        return {uid: [f"k/claim={uid}-{d}" for d in claim.devices] for uid, claim in claims.items()}
 
-    async def unprepare_claim(self, claim_uid: str) -> None:
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
         await asyncio.sleep(0)
-        self.specs.pop(claim_uid, None)
+        for uid in claim_uids:
+            self.specs.pop(uid, None)
+        return dict.fromkeys(claim_uids)
 
 
 async def scenario(claims: list[frozenset[int]], batches: int, seed: int, directory: Path) -> None:

@@ -160,15 +160,15 @@ class Gate:
 def _hook_cdi(h: DraHarness, gate: Gate) -> None:
     """After the claim's CDI spec is written, before the driver records it."""
     assert h.cdi is not None
-    real = h.cdi.prepare_claim
+    real = h.cdi.prepare_claims
 
-    async def prepare_claim(*args: Any, **kwargs: Any) -> list[str]:
+    async def prepare_claims(*args: Any, **kwargs: Any) -> Any:
         names = await real(*args, **kwargs)
         gate.reached.set()
         await asyncio.Event().wait()  # the process "dies" here
         return names
 
-    h.cdi.prepare_claim = prepare_claim  # type: ignore[method-assign]
+    h.cdi.prepare_claims = prepare_claims  # type: ignore[method-assign]
 
 
 def _hook_store(name: str, after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
 from agent.cdi.discovery import HOOK_CANDIDATES, DriverDiscovery
 from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
+from agent.cdi.generate import DriverView
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
@@ -62,7 +63,11 @@ class CdiProvider(Protocol):
         self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
     ) -> list[str]: ...
 
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]: ...
+
     async def unprepare_claim(self, claim_uid: str) -> None: ...
+
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]: ...
 
     def set_prepared_claims(self, source: PreparedClaims) -> None: ...
 
@@ -205,30 +210,110 @@ class CdiService:
         if not devices:
             raise CdiError(f"claim {claim_uid}: no devices to prepare")
         claim = ClaimDevices(devices=tuple(devices), env={k: tuple(v) for k, v in (env or {}).items()})
-        async with self._lock:
-            names = await asyncio.to_thread(self._write_claim, claim_uid, claim, self._inventory())
-            self._claims[claim_uid] = claim
-            self._unprepared.discard(claim_uid)
-        return names
+        outcome = (await self.prepare_claims({claim_uid: claim}))[claim_uid]
+        if isinstance(outcome, CdiError):
+            raise outcome
+        return outcome
 
-    def _write_claim(self, claim_uid: str, claimed: ClaimDevices, inventory: Inventory) -> list[str]:
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
+        """Write several claims' specs in one worker-thread hop and one directory fsync.
+
+        Each claim succeeds or fails alone: its value is one qualified name per device, in
+        order, or the CdiError that stopped it (nothing is written for it then).
+        """
+        out: dict[str, list[str] | CdiError] = {}
+        valid: dict[str, ClaimDevices] = {}
+        for uid, claim in claims.items():
+            try:
+                check_claim_uid(uid)
+                if not claim.devices:
+                    raise CdiError(f"claim {uid}: no devices to prepare")
+            except CdiError as exc:
+                out[uid] = exc
+                continue
+            valid[uid] = claim
+        if not valid:
+            return out
+        async with self._lock:
+            written = await asyncio.to_thread(self._write_claims, valid, self._inventory())
+            for uid, outcome in written.items():
+                if not isinstance(outcome, CdiError):
+                    self._claims[uid] = valid[uid]
+                    self._unprepared.discard(uid)
+        out.update(written)
+        return out
+
+    def _write_claims(
+        self, claims: Mapping[str, ClaimDevices], inventory: Inventory
+    ) -> dict[str, list[str] | CdiError]:
+        out: dict[str, list[str] | CdiError] = {}
+        try:
+            driver = self._reconciler.discover(inventory)
+        except CdiError as exc:
+            return dict.fromkeys(claims, exc)
+        try:
+            for uid, claim in claims.items():
+                try:
+                    out[uid] = self._write_claim(uid, claim, inventory, driver)
+                except CdiError as exc:
+                    out[uid] = exc
+        finally:
+            self._writer.sync_directory()
+        return out
+
+    def _write_claim(
+        self, claim_uid: str, claimed: ClaimDevices, inventory: Inventory, driver: DriverView
+    ) -> list[str]:
         kind = self._config.claim_kind
         devices = claimed.devices
-        driver = self._reconciler.discover(inventory)
         claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
-        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec)
+        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, sync_directory=False)
         return [qualified_name(kind, claim.names[d]) for d in devices]
 
     async def unprepare_claim(self, claim_uid: str) -> None:
         """Remove the claim's spec; a claim never prepared (or already gone) is fine."""
         check_claim_uid(claim_uid)
+        error = (await self.unprepare_claims([claim_uid]))[claim_uid]
+        if error is not None:
+            raise error
+
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        """Remove several claims' specs in one hop and one directory fsync; per claim, the error if any."""
+        out: dict[str, CdiError | None] = {}
+        valid: list[str] = []
+        for uid in claim_uids:
+            try:
+                check_claim_uid(uid)
+            except CdiError as exc:
+                out[uid] = exc
+                continue
+            valid.append(uid)
+        if not valid:
+            return out
         async with self._lock:
-            await asyncio.to_thread(self._writer.remove, transient_spec_file_name(self._config.claim_kind, claim_uid))
-            self._claims.pop(claim_uid, None)
-            if self._source is not None:
-                self._unprepared.add(claim_uid)
+            removed = await asyncio.to_thread(self._remove_claims, valid)
+            for uid, error in removed.items():
+                if error is None:
+                    self._claims.pop(uid, None)
+                    if self._source is not None:
+                        self._unprepared.add(uid)
+        out.update(removed)
+        return out
+
+    def _remove_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        out: dict[str, CdiError | None] = {}
+        try:
+            for uid in claim_uids:
+                try:
+                    self._writer.remove(transient_spec_file_name(self._config.claim_kind, uid), sync_directory=False)
+                    out[uid] = None
+                except CdiError as exc:
+                    out[uid] = exc
+        finally:
+            self._writer.sync_directory()
+        return out
 
     def prepared_claims(self) -> dict[str, ClaimDevices]:
         """The external source's claims, plus ours (prepare writes CDI before the checkpoint)."""
@@ -350,8 +435,17 @@ class NullCdiService:
         # a DRA claim prepared without CDI devices would start a container without its GPUs
         raise CdiError(f"claim {claim_uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
 
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
+        return {
+            uid: CdiError(f"claim {uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
+            for uid in claims
+        }
+
     async def unprepare_claim(self, claim_uid: str) -> None:
         return None
+
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        return dict.fromkeys(claim_uids)
 
     def set_prepared_claims(self, source: PreparedClaims) -> None:
         return None

@@ -15,13 +15,18 @@ Contract (what the kubelet relies on, ``kubelet-dra.md`` §5):
   ``Timeouts.lock_s``, each ending in a per-claim error that names the bound;
 * a batch costs one checkpoint write (fsync), and concurrent batches share writes.
 
-How one claim is prepared (under its own lock, so two calls for one claim never interleave):
-read the claim, decide with :func:`~agent.dra.plan.plan_claim`, *reserve* its devices
-(synchronously: no ``await`` between the check that a device is free and the reservation,
-so claims prepared concurrently never get the same device), write the claim's CDI spec,
-record the claim in memory and drop the reservation, then write the checkpoint for the whole
-batch. A failed CDI write releases the reservation; a failed checkpoint write takes the
-batch's new claims back out (and their CDI specs) and fails them.
+How a call is prepared, in three steps (each claim under its own lock, so two calls for one
+claim never interleave):
+
+1. per claim, concurrently: the stored answer if it is prepared already; otherwise read the
+   claim, decide with :func:`~agent.dra.plan.plan_claim`, and *reserve* its devices
+   (synchronously: no ``await`` between the check that a device is free and the reservation,
+   so claims prepared concurrently, in one call or in several, never get the same device);
+2. the call's new claims get their CDI specs in one write (one worker-thread hop, one
+   directory fsync); a claim whose spec fails is answered with the error, the others go on;
+   those that got a spec are recorded in memory and their reservations dropped;
+3. one checkpoint write for the call. If it fails, the call's new claims are taken back out
+   (and their CDI specs) and fail; claims answered from the checkpoint are unaffected.
 
 Device sharing rule: a device (or a whole GPU and its MIG devices) is held by at most one
 claim *without* admin access; claims with admin access (monitoring, which the scheduler
@@ -51,12 +56,13 @@ from agent.cdi.service import CdiProvider
 from agent.dra.checkpoint import CheckpointError, CheckpointStore, PreparedClaim, PreparedDevice, utc_now
 from agent.dra.claim import ClaimRef, ClaimSource, ResourceClaim
 from agent.dra.claimspecs import read_claim_specs, rebuild_claims
-from agent.dra.devices import dra_devices
+from agent.dra.devices import DraDevice, dra_devices
 from agent.dra.errors import ClaimError, Reason, quote
 from agent.dra.metrics import DraMetrics
 from agent.dra.plan import PlannedDevice, plan_claim
 from agent.errors import AgentError
 from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Inventory
 from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
 
@@ -108,11 +114,51 @@ def answer_of(claim: PreparedClaim) -> ClaimAnswer:
 
 @dataclass(slots=True)
 class _Outcome:
+    ref: ClaimRef
     answer: ClaimAnswer
     #: the entry this call added (None: answered from the checkpoint, or failed)
     new: PreparedClaim | None = None
     #: the entry it replaced (an incomplete one rebuilt from CDI specs)
     replaced: PreparedClaim | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A claim whose devices are reserved and whose CDI spec is still to be written."""
+
+    ref: ClaimRef
+    planned: list[PlannedDevice]
+    existing: PreparedClaim | None
+
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.device.uuid for p in self.planned))
+
+    def cdi_devices(self) -> ClaimDevices:
+        env = {p.device.uuid: tuple(f"{k}={v}" for k, v in p.env.items()) for p in self.planned}
+        return ClaimDevices(devices=self.uuids(), env=env)
+
+    def prepared(self, cdi_names: list[str], now: str) -> PreparedClaim:
+        cdi = dict(zip(self.uuids(), cdi_names, strict=True))
+        return PreparedClaim(
+            namespace=self.ref.namespace,
+            name=self.ref.name,
+            uid=self.ref.uid,
+            devices=tuple(
+                PreparedDevice(
+                    pool=p.result.pool,
+                    name=p.device.name,
+                    uuid=p.device.uuid,
+                    gpu_uuid=p.device.gpu_uuid,
+                    requests=(p.result.main_request,),
+                    share_id=p.result.share_id,
+                    cdi_ids=(cdi[p.device.uuid],),
+                    env=dict(p.env),
+                    admin_access=p.result.admin_access,
+                )
+                for p in self.planned
+            ),
+            prepared_at=self.existing.prepared_at if self.existing is not None else now,
+        )
 
 
 @dataclass(slots=True)
@@ -203,6 +249,7 @@ class DraDriver:
         self._inflight: set[asyncio.Task[object]] = set()
         self.loaded = False
         self.checkpoint = CheckpointStatus(path=store.path)
+        self._devices: tuple[Inventory | None, dict[str, DraDevice]] = (None, {})
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -292,46 +339,56 @@ class DraDriver:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _prepare_batch(self, refs: list[ClaimRef]) -> dict[str, ClaimAnswer]:
-        answers: dict[str, ClaimAnswer] = {}
         if len(refs) > MAX_BATCH:
             message = f"{len(refs)} claims in one call, at most {MAX_BATCH}"
             return {r.uid: self._failed("prepare", ClaimError(Reason.BAD_REQUEST, message)) for r in refs}
+        started = time.perf_counter()
+        answers: dict[str, ClaimAnswer] = {}
         async with self._claim_locks(refs) as (held, busy):
             for ref in busy:
                 answers[ref.uid] = self._failed("prepare", self._busy_error(ref))
-            outcomes = await asyncio.gather(*(self._prepare_one(ref) for ref in held))
-            new = [o for o in outcomes if o.new is not None]
+            # 1. per claim, concurrently: the stored answer, or read, decide and reserve
+            firsts = await asyncio.gather(*(self._plan_one(ref) for ref in held))
+            outcomes = {o.ref.uid: o for o in firsts if isinstance(o, _Outcome)}
+            pending = [p for p in firsts if isinstance(p, _Pending)]
+            # 2. the batch's CDI specs in one go; 3. one checkpoint write for the batch
+            try:
+                outcomes.update(await self._write_specs(pending))
+            finally:
+                for p in pending:
+                    self._reserved.pop(p.ref.uid, None)
+            new = [o for o in outcomes.values() if o.new is not None]
             if new:
                 try:
                     await self._persist()
                 except CheckpointError as exc:
                     await self._undo_prepare(new, exc)
-            self._metrics.prepares.labels(result="prepared").inc(sum(1 for o in outcomes if o.new is not None))
-            for ref, outcome in zip(held, outcomes, strict=True):
-                answers[ref.uid] = outcome.answer
+            self._metrics.prepares.labels(result="prepared").inc(sum(1 for o in outcomes.values() if o.new))
+            for ref in held:
+                answers[ref.uid] = outcomes[ref.uid].answer
+        now = time.perf_counter()
+        for _ in refs:  # every claim of a call is answered when the call is
+            self._metrics.claim_seconds.labels(operation="prepare").observe(now - started)
         self._metrics.prepared.set(len(self._prepared))
         return answers
 
-    async def _prepare_one(self, ref: ClaimRef) -> _Outcome:
-        started = time.perf_counter()
+    async def _plan_one(self, ref: ClaimRef) -> _Outcome | _Pending:
         with structlog.contextvars.bound_contextvars(claim=f"{ref.namespace}/{ref.name}", claim_uid=ref.uid):
             try:
-                outcome = await self._prepare_claim(ref)
+                return await self._plan_claim(ref)
             except ClaimError as exc:
-                outcome = _Outcome(self._failed("prepare", exc))
+                return _Outcome(ref, self._failed("prepare", exc))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug, or a rude ClaimSource: this claim fails, not the call
                 log.exception("dra.prepare_crashed")
-                outcome = _Outcome(self._failed("prepare", ClaimError(Reason.INTERNAL, f"internal error: {exc!r}")))
-        self._metrics.claim_seconds.labels(operation="prepare").observe(time.perf_counter() - started)
-        return outcome
+                return _Outcome(ref, self._failed("prepare", ClaimError(Reason.INTERNAL, f"internal error: {exc!r}")))
 
-    async def _prepare_claim(self, ref: ClaimRef) -> _Outcome:
+    async def _plan_claim(self, ref: ClaimRef) -> _Outcome | _Pending:
         existing = self._prepared.get(ref.uid)
         if existing is not None and existing.complete:
             self._metrics.prepares.labels(result="already-prepared").inc()
-            return _Outcome(answer_of(existing))
+            return _Outcome(ref, answer_of(existing))
         _check_ref(ref)
         if existing is None and len(self._prepared) + len(self._reserved) >= MAX_PREPARED:
             raise ClaimError(Reason.BAD_REQUEST, f"{MAX_PREPARED} claims are prepared on this node already")
@@ -341,45 +398,47 @@ class DraDriver:
             claim,
             driver=self.driver_name,
             pool=self.pool,
-            devices={d.name: d for d in dra_devices(self._inventory.current)},
+            devices=self._devices_by_name(),
             ownership=self._ownership.current,
             health=self._health,
         )
         self._reserve(ref, planned)
+        return _Pending(ref=ref, planned=planned, existing=existing)
+
+    async def _write_specs(self, pending: list[_Pending]) -> dict[str, _Outcome]:
+        """Write the CDI specs of the batch's new claims and record the ones that got theirs."""
+        if not pending:
+            return {}
         try:
-            uuids = list(dict.fromkeys(p.device.uuid for p in planned))
-            env = {p.device.uuid: tuple(f"{k}={v}" for k, v in p.env.items()) for p in planned}
-            try:
-                names = await self._cdi.prepare_claim(ref.uid, uuids, env=env)
-            except CdiError as exc:
-                raise ClaimError(Reason.CDI_ERROR, f"writing the claim's CDI spec failed: {exc}") from exc
-            cdi = dict(zip(uuids, names, strict=True))
-            prepared = PreparedClaim(
-                namespace=ref.namespace,
-                name=ref.name,
-                uid=ref.uid,
-                devices=tuple(
-                    PreparedDevice(
-                        pool=p.result.pool,
-                        name=p.device.name,
-                        uuid=p.device.uuid,
-                        gpu_uuid=p.device.gpu_uuid,
-                        requests=(p.result.main_request,),
-                        share_id=p.result.share_id,
-                        cdi_ids=(cdi[p.device.uuid],),
-                        env=dict(p.env),
-                        admin_access=p.result.admin_access,
-                    )
-                    for p in planned
-                ),
-                prepared_at=existing.prepared_at if existing is not None else self._now(),
-            )
-            self._prepared[ref.uid] = prepared
+            written = await self._cdi.prepare_claims({p.ref.uid: p.cdi_devices() for p in pending})
+        except CdiError as exc:
+            written = dict.fromkeys((p.ref.uid for p in pending), exc)
+        outcomes: dict[str, _Outcome] = {}
+        for p in pending:
+            names = written.get(p.ref.uid, CdiError("the CDI service gave no answer for this claim"))
+            if isinstance(names, CdiError):
+                error = ClaimError(Reason.CDI_ERROR, f"writing the claim's CDI spec failed: {names}")
+                outcomes[p.ref.uid] = _Outcome(p.ref, self._failed("prepare", error))
+                continue
+            prepared = p.prepared(names, self._now())
+            self._prepared[p.ref.uid] = prepared
             self._version += 1
-        finally:
-            self._reserved.pop(ref.uid, None)
-        log.info("dra.claim_prepared", devices=[d.name for d in prepared.devices], completed=existing is not None)
-        return _Outcome(answer_of(prepared), new=prepared, replaced=existing)
+            log.info(
+                "dra.claim_prepared",
+                claim=f"{p.ref.namespace}/{p.ref.name}",
+                claim_uid=p.ref.uid,
+                devices=[d.name for d in prepared.devices],
+                completed=p.existing is not None,
+            )
+            outcomes[p.ref.uid] = _Outcome(p.ref, answer_of(prepared), new=prepared, replaced=p.existing)
+        return outcomes
+
+    def _devices_by_name(self) -> dict[str, DraDevice]:
+        """The node's DRA devices by name, computed once per inventory (inventories are immutable)."""
+        inventory = self._inventory.current
+        if self._devices[0] is not inventory:
+            self._devices = (inventory, {d.name: d for d in dra_devices(inventory)})
+        return self._devices[1]
 
     async def _read_claim(self, ref: ClaimRef) -> ResourceClaim | None:
         what = f"reading ResourceClaim {ref.namespace}/{ref.name} from the API server"
@@ -433,57 +492,55 @@ class DraDriver:
             self._version += 1
             outcome.new = None
             outcome.answer = self._failed("prepare", error)
-        for uid in undone:
-            with contextlib.suppress(CdiError):
-                await self._cdi.unprepare_claim(uid)
+        if undone:
+            with contextlib.suppress(CdiError):  # a spec left behind is an orphan the CDI reconciler removes
+                await self._cdi.unprepare_claims(undone)
 
     # --- unprepare --------------------------------------------------------------------------
 
     async def _unprepare_batch(self, refs: list[ClaimRef]) -> dict[str, str]:
-        errors: dict[str, str] = {}
         if len(refs) > MAX_BATCH:
             message = f"{len(refs)} claims in one call, at most {MAX_BATCH}"
             return {r.uid: self._failed("unprepare", ClaimError(Reason.BAD_REQUEST, message)).error for r in refs}
+        started = time.perf_counter()
+        errors: dict[str, str] = {}
         async with self._claim_locks(refs) as (held, busy):
             for ref in busy:
                 errors[ref.uid] = self._failed("unprepare", self._busy_error(ref)).error
+            # a UID CDI refuses never had a spec, and no claim was ever prepared under it
+            valid = [r.uid for r in held if _cdi_uid_ok(r.uid)]
+            removed_specs = await self._cdi.unprepare_claims(valid) if valid else {}
             removed: list[PreparedClaim] = []
             for ref in held:
-                started = time.perf_counter()
-                errors[ref.uid] = await self._unprepare_one(ref, removed)
-                self._metrics.claim_seconds.labels(operation="unprepare").observe(time.perf_counter() - started)
+                errors[ref.uid] = self._forget(ref, removed_specs.get(ref.uid), removed)
             if removed:
                 try:
                     await self._persist()
                 except CheckpointError as exc:
+                    message = f"removing the claim from the checkpoint failed: {exc}"
                     for claim in removed:  # still recorded on disk: keep them, the kubelet retries
                         self._prepared[claim.uid] = claim
                         self._version += 1
-                        error = ClaimError(
-                            Reason.CHECKPOINT_ERROR, f"removing the claim from the checkpoint failed: {exc}"
-                        )
-                        errors[claim.uid] = self._failed("unprepare", error).error
+                        errors[claim.uid] = self._failed(
+                            "unprepare", ClaimError(Reason.CHECKPOINT_ERROR, message)
+                        ).error
                 else:
                     self._metrics.unprepares.labels(result="unprepared").inc(len(removed))
+        now = time.perf_counter()
+        for _ in refs:  # every claim of a call is answered when the call is
+            self._metrics.claim_seconds.labels(operation="unprepare").observe(now - started)
         self._metrics.prepared.set(len(self._prepared))
         return errors
 
-    async def _unprepare_one(self, ref: ClaimRef, removed: list[PreparedClaim]) -> str:
-        existing = self._prepared.get(ref.uid)
-        try:
-            check_claim_uid(ref.uid)
-        except CdiError:
-            # no spec can exist under a name CDI refuses, and no claim was ever prepared with it
-            self._metrics.unprepares.labels(result="not-prepared").inc()
-            return ""
-        try:
-            await self._cdi.unprepare_claim(ref.uid)
-        except CdiError as exc:
-            return self._failed("unprepare", ClaimError(Reason.CDI_ERROR, f"removing the CDI spec failed: {exc}")).error
+    def _forget(self, ref: ClaimRef, spec_error: CdiError | None, removed: list[PreparedClaim]) -> str:
+        """Drop the claim from memory once its CDI spec is gone; its error text, or ""."""
+        if spec_error is not None:
+            error = ClaimError(Reason.CDI_ERROR, f"removing the claim's CDI spec failed: {spec_error}")
+            return self._failed("unprepare", error).error
+        existing = self._prepared.pop(ref.uid, None)
         if existing is None:
             self._metrics.unprepares.labels(result="not-prepared").inc()
             return ""
-        del self._prepared[ref.uid]
         self._version += 1
         removed.append(existing)
         log.info("dra.claim_unprepared", claim=f"{existing.namespace}/{existing.name}", claim_uid=ref.uid)
@@ -574,6 +631,14 @@ def _as_prepared(p: PlannedDevice) -> PreparedDevice:
         cdi_ids=(),
         admin_access=p.result.admin_access,
     )
+
+
+def _cdi_uid_ok(uid: str) -> bool:
+    try:
+        check_claim_uid(uid)
+    except CdiError:
+        return False
+    return True
 
 
 def _distinct(refs: Iterable[ClaimRef]) -> list[ClaimRef]:
