@@ -13,6 +13,7 @@ from agent.cdi import spec as cdi_spec
 from agent.config.schema import Owner
 from agent.dra.claim import ClaimRef
 from tests.dra_fakes import DRIVER, NODE, DraHarness, answer, dra_harness, gpu_config, opaque, result
+from tests.test_plugin_fakes import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -290,3 +291,26 @@ async def test_debug_state_and_usage_show_claims_per_gpu(h: DraHarness) -> None:
     assert state["checkpoint"]["path"] == str(h.checkpoint)  # type: ignore[index]
     assert state["driver"] == DRIVER and state["pool"] == NODE
     assert h.m.advertised_gpus() == h.ownership.current.gpus_granted_to(Owner.DRA)
+
+
+async def test_a_kubelet_that_gives_up_mid_prepare_gets_the_stored_answer_on_retry(h: DraHarness) -> None:
+    ref = h.claims.add("c", result("gpu-0"))
+    entered, gate = asyncio.Event(), asyncio.Event()
+    real = h.claims.get_claim
+
+    async def slow(r: ClaimRef) -> Any:
+        entered.set()
+        await gate.wait()
+        return await real(r)
+
+    h.claims.get_claim = slow  # type: ignore[method-assign]
+    call = asyncio.create_task(h.prepare(ref))
+    await asyncio.wait_for(entered.wait(), 2)
+    call.cancel()  # the kubelet restarts: its call and connection are gone
+    await asyncio.gather(call, return_exceptions=True)
+    gate.set()
+    await wait_for(lambda: ref.uid in h.m.driver.prepared, what="the preparation finishing anyway")
+    calls = len(h.claims.calls)
+    response = await h.prepare(ref)  # the restarted kubelet asks again
+    assert answer(response, ref.uid)[0][2] == "gpu-0"
+    assert len(h.claims.calls) == calls and h.claim_specs() == {ref.uid}

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,6 @@ class SocketEndpoint:
     last_error: str = ""
     starts: int = 0
     failures: int = 0
-    history: list[str] = field(default_factory=list)
 
     @property
     def serving(self) -> bool:
