@@ -21,8 +21,8 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
-import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -68,7 +68,8 @@ def client(socket: str, rounds: int) -> dict[str, list[float]]:
     """Runs in a child process: the kubelet's calls, timed."""
     channel = grpc.insecure_channel(f"unix://{socket}")
     stub = pb_grpc.DRAPluginStub(channel)
-    out: dict[str, list[float]] = {k: [] for k in ("prepare 1", "unprepare 1", "prepare 64", "again 64", "unprepare 64")}
+    keys = ("prepare 1", "unprepare 1", "prepare 64", "again 64", "unprepare 64")
+    out: dict[str, list[float]] = {k: [] for k in keys}
 
     def timed(key: str, call: object, request: object) -> object:
         started = time.perf_counter()
@@ -100,19 +101,29 @@ def percentiles(samples: list[float]) -> str:
     return f"p50 {at(0.50):7.2f} ms  p99 {at(0.99):7.2f} ms  max {ordered[-1] * 1000:7.2f} ms  (n={len(ordered)})"
 
 
-async def main(rounds: int) -> None:
-    work = Path(__import__("tempfile").mkdtemp(prefix="bench-dra-"))
+def fs_type(path: Path) -> str:
+    """The file system type ``path`` is on (the longest matching mount point in /proc/mounts)."""
+    best, kind = "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) > 2 and str(path).startswith(fields[1]) and len(fields[1]) > len(best):
+                best, kind = fields[1], fields[2]
+    return kind
+
+
+async def main(rounds: int, fs: str) -> None:
+    work = Path(tempfile.mkdtemp(prefix="bench-dra-"))
     async with dra_harness(preset=str(preset(work / "bench-64.yaml", BATCH + 1))) as h:
         await h.kubelet().register()
         for r in range(rounds):
             for i in range(BATCH + 1):
                 h.claims.add(f"r{r}-c{i}", result(f"gpu-{i}"), namespace=NAMESPACE, uid=f"uid-r{r}-c{i}")
-        fs = subprocess.run(["stat", "-f", "-c", "%T", str(h.checkpoint.parent.parent)], capture_output=True, text=True)
         loop = asyncio.get_running_loop()
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             figures = await loop.run_in_executor(pool, client, str(h.dra_socket), rounds)
         writes = h.metric("gpu_agent_dra_checkpoint_writes_total", result="ok")
-    print(f"DRA prepare/unprepare over {h.dra_socket.name}, {rounds} rounds, checkpoint on {fs.stdout.strip()}")
+    print(f"DRA prepare/unprepare over {h.dra_socket.name}, {rounds} rounds, checkpoint and CDI specs on {fs}")
     for key, samples in figures.items():
         print(f"  {key:13s} {percentiles(samples)}")
     print(f"  checkpoint writes: {writes:.0f} for {rounds * 4} prepare/unprepare calls that changed something")
@@ -124,4 +135,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     logging.disable(logging.CRITICAL)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
-    asyncio.run(main(args.rounds))
+    asyncio.run(main(args.rounds, fs_type(Path(tempfile.gettempdir()))))
