@@ -58,7 +58,8 @@ async def test_prepared_claims_survive_a_restart(h: DraHarness) -> None:
     response = await h.prepare(a, b, api="v1beta1")
     assert {uid: answer(response, uid) for uid in answers} == answers
     assert h.claim_specs() == {a.uid, b.uid}
-    assert h.m.debug_state()["checkpoint"]["loaded"] == "ok"  # type: ignore[index]
+    checkpoint = h.m.debug_state()["checkpoint"]
+    assert checkpoint["loaded"] == "ok" and checkpoint["version"] == 1  # type: ignore[index]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "edit", "newer-version"])

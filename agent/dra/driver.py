@@ -53,6 +53,7 @@ from agent.cdi.claimenv import ClaimDevices
 from agent.cdi.errors import CdiError
 from agent.cdi.names import check_claim_uid
 from agent.cdi.service import CdiProvider
+from agent.dra.checkpoint import VERSION as CHECKPOINT_VERSION
 from agent.dra.checkpoint import CheckpointError, CheckpointStore, PreparedClaim, PreparedDevice, utc_now
 from agent.dra.claim import ClaimRef, ClaimSource, ResourceClaim
 from agent.dra.claimspecs import read_claim_specs, rebuild_claims
@@ -298,6 +299,7 @@ class DraDriver:
             log.info("dra.checkpoint_from_earlier_boot", claims=len(claims), written_under=loaded.boot_id)
         self._prepared = dict(claims)
         self._version = 1 if loaded.status == "corrupt" else 0
+        status.version = CHECKPOINT_VERSION if loaded.status == "ok" else 0
         self.loaded = True
         self._metrics.prepared.set(len(self._prepared))
         log.info("dra.checkpoint_loaded", status=loaded.status, claims=len(self._prepared), path=str(self._store.path))
@@ -616,7 +618,7 @@ class DraDriver:
             self._written = version
             self.checkpoint.last_write, self.checkpoint.last_error = written_at, ""
             self.checkpoint.writes += 1
-            self.checkpoint.version = 1
+            self.checkpoint.version = CHECKPOINT_VERSION
             self._metrics.checkpoint_writes.labels(result="ok").inc()
 
 

@@ -20,10 +20,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from agent.config.schema import Owner
-from agent.dra.devices import dra_devices
+from agent.dra.devices import DraDevice, dra_devices
 from agent.events import Broadcast
 from agent.health.model import HealthState
 from agent.health.monitor import HealthMonitor
+from agent.inventory.model import Inventory
 from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
 
@@ -76,13 +77,17 @@ class HealthFeed:
         self.changes: Broadcast[None] = Broadcast(maxsize=1)
         self.streams = 0
         self.messages_sent = 0
+        self._devices: tuple[Inventory | None, list[DraDevice]] = (None, [])
 
     def snapshot(self) -> list[DeviceHealthReport]:
         """Every DRA-owned device of this node with its health now."""
         table = self._ownership.current
         now = int(self._wall())
         out = []
-        for device in dra_devices(self._inventory.current):
+        inventory = self._inventory.current
+        if self._devices[0] is not inventory:  # inventories are immutable: once per inventory
+            self._devices = (inventory, dra_devices(inventory))
+        for device in self._devices[1]:
             if not table.granted_to(device.uuid, Owner.DRA):
                 continue
             state = self._health.state(device.uuid)
