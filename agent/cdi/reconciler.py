@@ -22,6 +22,7 @@ import structlog
 
 from agent.cdi import generate
 from agent.cdi import spec as cdi_spec
+from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
 from agent.cdi.driversource import DriverSource
 from agent.cdi.errors import CdiError, InvalidSpecError
 from agent.cdi.generate import DriverView
@@ -73,7 +74,7 @@ def desired_state(
     device_plugin_kind: str,
     claim_kind: str,
     inventory: Inventory,
-    claims: Mapping[str, Sequence[str]],
+    claims: Mapping[str, Sequence[str] | ClaimDevices],
     driver: DriverView,
 ) -> Desired:
     """Pure: every file the agent should own, by name."""
@@ -84,9 +85,10 @@ def desired_state(
     skipped += plugin.skipped
     if plugin.spec is not None:
         files[spec_file_name(device_plugin_kind)] = plugin.spec
-    for uid, devices in sorted(claims.items()):
+    for uid, value in sorted(claims.items()):
+        claimed = as_claim_devices(value)
         try:
-            claim = generate.claim_spec(claim_kind, uid, devices, inventory, driver)
+            claim = with_env(generate.claim_spec(claim_kind, uid, claimed.devices, inventory, driver), claimed.env)
             name = transient_spec_file_name(claim_kind, uid)
         except CdiError as exc:
             errors.append(f"claim {uid}: {exc}")
@@ -107,7 +109,7 @@ class Reconciler:
     def discover(self, inventory: Inventory) -> DriverView:
         return self.source.look(inventory)
 
-    def reconcile(self, inventory: Inventory, claims: Mapping[str, Sequence[str]]) -> ReconcileReport:
+    def reconcile(self, inventory: Inventory, claims: Mapping[str, Sequence[str] | ClaimDevices]) -> ReconcileReport:
         repairs: list[Repair] = []
         errors: list[str] = []
         for name in self.writer.remove_stale_temp_files():

@@ -29,9 +29,11 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.cdi import generate
+from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
 from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, DriverDiscoveryError, UnknownCdiDeviceError
+from agent.cdi.generate import DriverView
 from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
@@ -44,8 +46,9 @@ from agent.inventory.state import InventoryState
 
 log = structlog.get_logger("agent.cdi")
 
-#: answers "which claims are prepared, with which devices" (the DRA checkpoint)
-PreparedClaims = Callable[[], Mapping[str, Sequence[str]]]
+#: answers "which claims are prepared, with which devices" (the DRA checkpoint); a value is
+#: the claim's device UUIDs, or a ClaimDevices when the claim adds environment variables
+PreparedClaims = Callable[[], Mapping[str, Sequence[str] | ClaimDevices]]
 
 
 class CdiProvider(Protocol):
@@ -57,9 +60,15 @@ class CdiProvider(Protocol):
 
     async def ensure_device_plugin_spec(self) -> None: ...
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]: ...
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]: ...
+
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]: ...
 
     async def unprepare_claim(self, claim_uid: str) -> None: ...
+
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]: ...
 
     def set_prepared_claims(self, source: PreparedClaims) -> None: ...
 
@@ -116,7 +125,7 @@ class CdiService:
         )
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
-        self._claims: dict[str, tuple[str, ...]] = {}  # prepared through this service
+        self._claims: dict[str, ClaimDevices] = {}  # prepared through this service
         self._unprepared: set[str] = set()  # until the external source forgets them too
         self._source: PreparedClaims | None = None
         self._skipped: frozenset[str] = frozenset()
@@ -193,40 +202,127 @@ class CdiService:
         """Let DRA answer which claims are prepared (used by the reconciler from now on)."""
         self._source = source
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
-        """Write the claim's spec and return one qualified name per device, in order."""
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]:
+        """Write the claim's spec and return one qualified name per device, in order.
+
+        ``env`` (device UUID -> ``NAME=VALUE`` entries) is appended to those devices' edits.
+        """
         check_claim_uid(claim_uid)
         if not devices:
             raise CdiError(f"claim {claim_uid}: no devices to prepare")
-        async with self._lock:
-            names = await asyncio.to_thread(self._write_claim, claim_uid, tuple(devices), self._inventory())
-            self._claims[claim_uid] = tuple(devices)
-            self._unprepared.discard(claim_uid)
-        return names
+        claim = ClaimDevices(devices=tuple(devices), env={k: tuple(v) for k, v in (env or {}).items()})
+        outcome = (await self.prepare_claims({claim_uid: claim}))[claim_uid]
+        if isinstance(outcome, CdiError):
+            raise outcome
+        return outcome
 
-    def _write_claim(self, claim_uid: str, devices: tuple[str, ...], inventory: Inventory) -> list[str]:
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
+        """Write several claims' specs in one worker-thread hop and one directory fsync.
+
+        Each claim succeeds or fails alone: its value is one qualified name per device, in
+        order, or the CdiError that stopped it (nothing is written for it then).
+        """
+        out: dict[str, list[str] | CdiError] = {}
+        valid: dict[str, ClaimDevices] = {}
+        for uid, claim in claims.items():
+            try:
+                check_claim_uid(uid)
+                if not claim.devices:
+                    raise CdiError(f"claim {uid}: no devices to prepare")
+            except CdiError as exc:
+                out[uid] = exc
+                continue
+            valid[uid] = claim
+        if not valid:
+            return out
+        async with self._lock:
+            written = await asyncio.to_thread(self._write_claims, valid, self._inventory())
+            for uid, outcome in written.items():
+                if not isinstance(outcome, CdiError):
+                    self._claims[uid] = valid[uid]
+                    self._unprepared.discard(uid)
+        out.update(written)
+        return out
+
+    def _write_claims(
+        self, claims: Mapping[str, ClaimDevices], inventory: Inventory
+    ) -> dict[str, list[str] | CdiError]:
+        out: dict[str, list[str] | CdiError] = {}
+        try:
+            driver = self._reconciler.discover(inventory)
+        except CdiError as exc:
+            return dict.fromkeys(claims, exc)
+        try:
+            for uid, claim in claims.items():
+                try:
+                    out[uid] = self._write_claim(uid, claim, inventory, driver)
+                except CdiError as exc:
+                    out[uid] = exc
+        finally:
+            self._writer.sync_directory()
+        return out
+
+    def _write_claim(
+        self, claim_uid: str, claimed: ClaimDevices, inventory: Inventory, driver: DriverView
+    ) -> list[str]:
         kind = self._config.claim_kind
-        driver = self._reconciler.discover(inventory)
-        claim = generate.claim_spec(kind, claim_uid, devices, inventory, driver)
+        devices = claimed.devices
+        claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
-        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec)
+        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, sync_directory=False)
         return [qualified_name(kind, claim.names[d]) for d in devices]
 
     async def unprepare_claim(self, claim_uid: str) -> None:
         """Remove the claim's spec; a claim never prepared (or already gone) is fine."""
         check_claim_uid(claim_uid)
-        async with self._lock:
-            await asyncio.to_thread(self._writer.remove, transient_spec_file_name(self._config.claim_kind, claim_uid))
-            self._claims.pop(claim_uid, None)
-            if self._source is not None:
-                self._unprepared.add(claim_uid)
+        error = (await self.unprepare_claims([claim_uid]))[claim_uid]
+        if error is not None:
+            raise error
 
-    def prepared_claims(self) -> dict[str, tuple[str, ...]]:
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        """Remove several claims' specs in one hop and one directory fsync; per claim, the error if any."""
+        out: dict[str, CdiError | None] = {}
+        valid: list[str] = []
+        for uid in claim_uids:
+            try:
+                check_claim_uid(uid)
+            except CdiError as exc:
+                out[uid] = exc
+                continue
+            valid.append(uid)
+        if not valid:
+            return out
+        async with self._lock:
+            removed = await asyncio.to_thread(self._remove_claims, valid)
+            for uid, error in removed.items():
+                if error is None:
+                    self._claims.pop(uid, None)
+                    if self._source is not None:
+                        self._unprepared.add(uid)
+        out.update(removed)
+        return out
+
+    def _remove_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        out: dict[str, CdiError | None] = {}
+        try:
+            for uid in claim_uids:
+                try:
+                    self._writer.remove(transient_spec_file_name(self._config.claim_kind, uid), sync_directory=False)
+                    out[uid] = None
+                except CdiError as exc:
+                    out[uid] = exc
+        finally:
+            self._writer.sync_directory()
+        return out
+
+    def prepared_claims(self) -> dict[str, ClaimDevices]:
         """The external source's claims, plus ours (prepare writes CDI before the checkpoint)."""
-        out: dict[str, tuple[str, ...]] = {}
+        out: dict[str, ClaimDevices] = {}
         if self._source is not None:
-            external = {uid: tuple(devs) for uid, devs in self._source().items()}
+            external = {uid: as_claim_devices(devs) for uid, devs in self._source().items()}
             self._unprepared &= set(external)  # forgotten by the source: the tombstone can go
             out.update({uid: devs for uid, devs in external.items() if uid not in self._unprepared})
         out.update(self._claims)
@@ -336,12 +432,23 @@ class NullCdiService:
     async def ensure_device_plugin_spec(self) -> None:
         return None
 
-    async def prepare_claim(self, claim_uid: str, devices: Sequence[str]) -> list[str]:
+    async def prepare_claim(
+        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+    ) -> list[str]:
         # a DRA claim prepared without CDI devices would start a container without its GPUs
         raise CdiError(f"claim {claim_uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
 
+    async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
+        return {
+            uid: CdiError(f"claim {uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
+            for uid in claims
+        }
+
     async def unprepare_claim(self, claim_uid: str) -> None:
         return None
+
+    async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
+        return dict.fromkeys(claim_uids)
 
     def set_prepared_claims(self, source: PreparedClaims) -> None:
         return None

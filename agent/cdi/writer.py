@@ -69,8 +69,11 @@ def check_target(path: Path) -> bool:
     return True
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
-    """Replace ``path`` with ``data`` atomically; on failure the old file is untouched."""
+def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE, sync_directory: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically; on failure the old file is untouched.
+
+    ``sync_directory=False`` leaves the directory fsync to the caller (one for a batch of files).
+    """
     check_target(path)
     directory = path.parent
     tmp = directory / f".{path.name}{_TMP_MARK}{secrets.token_hex(4)}"
@@ -92,7 +95,8 @@ def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
-    _fsync_directory(directory)
+    if sync_directory:
+        _fsync_directory(directory)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -138,6 +142,9 @@ class SpecWriter:
         self.directory = directory
         self._exact = {spec_file_name(k) for k in kinds}
         self._transient = {transient_prefix(k): k for k in transient_kinds}
+        #: file name -> (identity of the file read, the qualified names it defines); a claim
+        #: batch would otherwise parse every spec in the directory once per claim
+        self._names: dict[str, tuple[tuple[int, int, int, int], frozenset[str]]] = {}
 
     def owns(self, name: str) -> bool:
         """Whether the file name is one the agent writes (the content is not looked at)."""
@@ -182,8 +189,11 @@ class SpecWriter:
         except OSError as exc:
             raise SpecWriteError(f"cannot read {path}: {_reason(exc)}") from exc
 
-    def write(self, name: str, spec: cdi_spec.Spec) -> bool:
-        """Put ``spec`` at ``name``; False when the file already held exactly this. Validates first."""
+    def write(self, name: str, spec: cdi_spec.Spec, *, sync_directory: bool = True) -> bool:
+        """Put ``spec`` at ``name``; False when the file already held exactly this. Validates first.
+
+        ``sync_directory=False``: the caller calls :meth:`sync_directory` after a batch.
+        """
         path = self._path(name)
         cdi_spec.check(spec)
         data = cdi_spec.dumps(spec).encode()
@@ -191,10 +201,14 @@ class SpecWriter:
         if self.read(name) == data:
             return False
         self._check_conflicts(name, spec)
-        atomic_write(path, data)
+        atomic_write(path, data, sync_directory=sync_directory)
         return True
 
-    def remove(self, name: str) -> bool:
+    def sync_directory(self) -> None:
+        """Make the renames and removals of a batch durable (one fsync of the directory)."""
+        _fsync_directory(self.directory)
+
+    def remove(self, name: str, *, sync_directory: bool = True) -> bool:
         """Delete an owned file; False when it was already gone (idempotent)."""
         path = self._path(name)
         if not check_target(path):
@@ -205,7 +219,8 @@ class SpecWriter:
             return False
         except OSError as exc:
             raise SpecWriteError(f"cannot remove {path}: {_reason(exc)}") from exc
-        _fsync_directory(self.directory)
+        if sync_directory:
+            _fsync_directory(self.directory)
         return True
 
     def remove_stale_temp_files(self) -> list[str]:
@@ -223,15 +238,34 @@ class SpecWriter:
                     removed.append(entry.name)
         return removed
 
+    def _defined_names(self, path: Path) -> frozenset[str]:
+        """The qualified names a spec file defines (none when it does not parse), cached per file
+        identity (inode, size, mtime, ctime): a file replaced or edited is read again."""
+        try:
+            st = path.stat()
+        except OSError:
+            return frozenset()
+        identity = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = self._names.get(path.name)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        try:
+            names = frozenset(read_spec_file(path).qualified_names())
+        except InvalidSpecError:
+            names = frozenset()  # the runtime skips an unparseable file too
+        self._names[path.name] = (identity, names)
+        return names
+
     def _check_conflicts(self, name: str, spec: cdi_spec.Spec) -> None:
         ours = set(spec.qualified_names())
-        for path in spec_files(self.directory):
+        files = spec_files(self.directory)
+        present = {p.name for p in files}
+        for gone in [n for n in self._names if n not in present]:
+            del self._names[gone]
+        for path in files:
             if path.name == name:
                 continue
-            try:
-                theirs = set(read_spec_file(path).qualified_names())
-            except InvalidSpecError:
-                continue  # the runtime skips an unparseable file too
+            theirs = self._defined_names(path)
             clash = sorted(ours & theirs)
             if clash:
                 more = f" and {len(clash) - 3} more" if len(clash) > 3 else ""

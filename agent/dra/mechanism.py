@@ -1,0 +1,242 @@
+"""DRA as one mechanism (:class:`agent.mechanism.Mechanism`): kubelet plugin, health stream,
+claim preparation with its checkpoint, and the ResourceSlice publisher, run together.
+
+The composition root builds it with :func:`build_dra` (which loads the checkpoint and tells
+the CDI service which claim specs are legitimate *before* the CDI reconciler's first pass,
+so a restart never deletes the spec of a prepared claim) and runs :meth:`DraMechanism.run`.
+The publisher is injected: it owns the ResourceSlices and the API client; this package only
+knows it through :class:`SlicePublisher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry
+
+from agent.backoff import Backoff
+from agent.cdi.service import CdiProvider
+from agent.config.schema import Config, Owner
+from agent.dra.checkpoint import CheckpointStore, read_boot_id
+from agent.dra.claim import ClaimSource
+from agent.dra.driver import DEFAULT_TIMEOUTS, DraDriver, Timeouts
+from agent.dra.health_servicer import HealthServicer
+from agent.dra.healthfeed import RESEND_S, HealthFeed
+from agent.dra.metrics import DraMetrics
+from agent.dra.plugin import DEFAULT_BACKOFF, DRA_SOCKET, REGISTRY_DIR, KubeletPlugin, registration_socket_name
+from agent.dra.registration import RegistrationState
+from agent.dra.registration_servicer import RegistrationServicer
+from agent.dra.servicer import v1_servicer, v1beta1_servicer
+from agent.health.monitor import HealthMonitor
+from agent.inventory.state import InventoryState
+from agent.mechanism import Holder, Readiness, Usage
+from agent.ownership import OwnershipState
+
+
+class SlicePublisher(Protocol):
+    """The ResourceSlice publisher (built in ``agent/dra`` by the API side, a fake in tests)."""
+
+    async def run(self) -> None:
+        """Publish and keep the node's slices current until cancelled."""
+        ...
+
+    def published_gpus(self) -> frozenset[str]:
+        """Physical GPU UUIDs that currently have a device in a published slice."""
+        ...
+
+    def kick(self) -> None:
+        """Look again now (the kubelet (re)registered the plugin: it may have wiped the slices)."""
+        ...
+
+    def readiness(self) -> Readiness: ...
+
+    def debug_state(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DraTuning:
+    """Bounds and clocks; the defaults are the production values, tests shorten them."""
+
+    timeouts: Timeouts = DEFAULT_TIMEOUTS
+    backoff: Backoff = DEFAULT_BACKOFF
+    health_resend_s: float = RESEND_S
+    health_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
+
+
+class DraMechanism:
+    owner = Owner.DRA
+
+    def __init__(
+        self,
+        *,
+        driver: DraDriver,
+        plugin: KubeletPlugin,
+        feed: HealthFeed,
+        registration: RegistrationState,
+        publisher: SlicePublisher,
+    ) -> None:
+        self.driver = driver
+        self.plugin = plugin
+        self.feed = feed
+        self.registration = registration
+        self.publisher = publisher
+
+    async def run(self) -> None:
+        """Serve until cancelled; the sockets are removed and calls in flight cancelled on the way out."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.plugin.run(), name="dra-plugin")
+                tg.create_task(self.feed.run(), name="dra-health-feed")
+                tg.create_task(self.publisher.run(), name="dra-slices")
+        finally:
+            await self.driver.close()
+
+    # --- the Mechanism interface ------------------------------------------------------------
+
+    def readiness(self) -> Readiness:
+        own = self._own_readiness()
+        published = self.publisher.readiness()
+        if not own.ok:
+            return own
+        if not published.ok:
+            return Readiness(False, f"ResourceSlices: {published.detail}")
+        notes = [n for n in (own.detail, published.detail and f"ResourceSlices: {published.detail}") if n]
+        return Readiness(True, "; ".join(notes))
+
+    def _own_readiness(self) -> Readiness:
+        if not self.driver.loaded:
+            return Readiness(False, "DRA checkpoint not loaded yet")
+        for endpoint in (self.plugin.dra, self.plugin.registration):
+            if endpoint.last_error:
+                return Readiness(False, f"DRA plugin cannot serve its {endpoint.name} socket: {endpoint.last_error}")
+        if not self.plugin.running:
+            return Readiness(False, "DRA plugin not serving yet")
+        reg = self.registration
+        if reg.status == "rejected":
+            return Readiness(False, f"the kubelet rejected the DRA plugin: {reg.reason}")
+        if reg.status == "waiting":
+            if reg.info_calls:
+                return Readiness(True, "registration in progress: GetInfo answered, no NotifyRegistrationStatus yet")
+            # no kubelet (yet): nothing is wrong with the agent, and it registers the moment one looks
+            return Readiness(True, f"waiting for the kubelet: no GetInfo call on {self.plugin.registration.path} yet")
+        return Readiness(True)
+
+    def advertised_gpus(self) -> frozenset[str]:
+        return self.publisher.published_gpus()
+
+    def usage(self) -> Usage:
+        if not self.driver.loaded:
+            return Usage(known=False, reason="the DRA checkpoint is not loaded yet")
+        holders: dict[str, list[Holder]] = {}
+        for claim in self.driver.prepared.values():
+            by_gpu: dict[str, list[str]] = {}
+            for device in claim.devices:
+                by_gpu.setdefault(device.gpu_uuid, []).append(device.name)
+            for gpu, names in by_gpu.items():
+                holders.setdefault(gpu, []).append(
+                    Holder(
+                        kind="claim",
+                        namespace=claim.namespace,
+                        name=claim.name,
+                        uid=claim.uid,
+                        detail="" if claim.complete else "rebuilt from its CDI spec; name unknown until prepared again",
+                        devices=tuple(dict.fromkeys(names)),
+                        since=claim.prepared_at,
+                    )
+                )
+        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()})
+
+    def debug_state(self) -> dict[str, object]:
+        usage = self.usage()
+        return {
+            "ready": self.readiness().ok,
+            "readiness": self.readiness().detail,
+            "driver": self.driver.driver_name,
+            "pool": self.driver.pool,
+            "registration": self.registration.as_dict(),
+            "plugin": self.plugin.debug_state(),
+            "prepared_claims": len(self.driver.prepared),
+            "claims_by_gpu": {
+                gpu: [
+                    {
+                        "namespace": h.namespace,
+                        "name": h.name,
+                        "uid": h.uid,
+                        "devices": list(h.devices),
+                        "since": h.since,
+                        **({"note": h.detail} if h.detail else {}),
+                    }
+                    for h in hs
+                ]
+                for gpu, hs in sorted(usage.holders.items())
+            },
+            "checkpoint": self.driver.checkpoint.as_dict(),
+            "health": {
+                "streams": self.feed.streams,
+                "messages_sent": self.feed.messages_sent,
+                "resend_s": self.feed.resend_s,
+                "timeout_s": self.feed.timeout_s,
+            },
+            "slices": self.publisher.debug_state(),
+        }
+
+
+async def build_dra(
+    config: Config,
+    *,
+    claims: ClaimSource,
+    publisher: SlicePublisher,
+    inventory: InventoryState,
+    ownership: OwnershipState,
+    health: HealthMonitor,
+    cdi: CdiProvider,
+    registry: CollectorRegistry | None,
+    node_name: str,
+    boot_id: str | None = None,
+    tuning: DraTuning = DraTuning(),
+) -> DraMechanism:
+    """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
+
+    Raises ConfigError when a socket path would be too long, StartupError when the state
+    directory cannot be read at all; a corrupt checkpoint is moved aside and rebuilt instead.
+    """
+    driver_name = config.dra.driver_name
+    metrics = DraMetrics(registry)
+    driver = DraDriver(
+        driver_name=driver_name,
+        pool=node_name,
+        claims=claims,
+        inventory=inventory,
+        ownership=ownership,
+        health=health,
+        cdi=cdi,
+        store=CheckpointStore(config.state_dir),
+        metrics=metrics,
+        boot_id=read_boot_id() if boot_id is None else boot_id,
+        cdi_root=config.paths.cdi_root if config.cdi.enabled else None,
+        claim_kind=config.cdi.claim_kind,
+        timeouts=tuning.timeouts,
+    )
+    feed = HealthFeed(
+        pool=node_name,
+        inventory=inventory,
+        ownership=ownership,
+        health=health,
+        resend_s=tuning.health_resend_s,
+        sleep=tuning.health_sleep,
+    )
+    dra_socket = config.dra_plugin_dir / DRA_SOCKET
+    registration = RegistrationState(driver_name=driver_name, endpoint=dra_socket)
+    plugin = KubeletPlugin(
+        dra_socket=dra_socket,
+        registration_socket=config.paths.kubelet_root / REGISTRY_DIR / registration_socket_name(driver_name),
+        dra_handlers=[v1_servicer(driver, metrics), v1beta1_servicer(driver, metrics), HealthServicer(feed, metrics)],
+        registration_handlers=[RegistrationServicer(registration, metrics, on_registered=publisher.kick)],
+        backoff=tuning.backoff,
+    )
+    await driver.restore()
+    cdi.set_prepared_claims(driver.cdi_claims)
+    return DraMechanism(driver=driver, plugin=plugin, feed=feed, registration=registration, publisher=publisher)

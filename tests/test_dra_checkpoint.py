@@ -1,0 +1,142 @@
+"""The prepared-claims checkpoint: format, atomic writes, and every way a file can be unusable."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.dra.checkpoint import (
+    FILE_NAME,
+    CheckpointError,
+    CheckpointStore,
+    PreparedClaim,
+    PreparedDevice,
+    decode,
+    encode,
+    read_boot_id,
+)
+
+NOW = "2026-12-01T10:00:00.000Z"
+
+
+def claim(uid: str = "u1", **changes: object) -> PreparedClaim:
+    device = PreparedDevice(
+        pool="node-a",
+        name="gpu-0",
+        uuid="GPU-0",
+        gpu_uuid="GPU-0",
+        requests=("gpu",),
+        share_id=None,
+        cdi_ids=("k/claim=u1-GPU-0",),
+        env={"A": "1"},
+    )
+    base = PreparedClaim(namespace="ns", name="c", uid=uid, devices=(device,), prepared_at=NOW)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path, now=lambda: NOW)
+
+
+def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    shared = PreparedDevice("node-a", "gpu-1-mig-1-0", "MIG-1", "GPU-1", ("a",), "s1", ("k/claim=x",), {}, True)
+    claims = [claim("u1"), claim("u2", devices=(shared,), complete=False)]
+    assert s.write(claims, boot_id="boot-a") == NOW
+    loaded = s.load()
+    assert loaded.status == "ok" and loaded.boot_id == "boot-a" and loaded.written_at == NOW
+    assert loaded.claims == {"u1": claims[0], "u2": claims[1]}
+    assert loaded.claims["u2"].devices[0].is_mig
+    assert sorted(os.listdir(tmp_path)) == [FILE_NAME]  # no temp file left
+    assert os.stat(tmp_path / FILE_NAME).st_mode & 0o777 == 0o600
+
+
+def test_missing_is_a_fresh_start(tmp_path: Path) -> None:
+    assert store(tmp_path / "absent").load().status == "missing"
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda raw: raw[: len(raw) // 2], "not JSON"),
+        (lambda raw: b"", "not JSON"),
+        (lambda raw: raw.replace(b'"gpu-0"', b'"gpu-9"'), "checksum mismatch"),
+        (lambda raw: raw.replace(b'"version": 1', b'"version": 2'), "written by a newer agent (version 2"),
+        (lambda raw: b'{"kind": "Something", "version": 1}', "not a checkpoint of this agent"),
+        (lambda raw: b"\xff\xfe\x00", "not JSON"),
+    ],
+    ids=["truncated", "empty", "edited", "newer-version", "foreign", "binary"],
+)
+def test_an_unusable_file_is_moved_aside_never_raised(tmp_path: Path, damage: object, problem: str) -> None:
+    s = store(tmp_path)
+    s.write([claim()], boot_id="b")
+    raw = (tmp_path / FILE_NAME).read_bytes()
+    (tmp_path / FILE_NAME).write_bytes(damage(raw))  # type: ignore[operator]
+    loaded = s.load()
+    assert loaded.status == "corrupt" and problem in loaded.problem
+    assert loaded.moved_to is not None and loaded.moved_to.name == f"{FILE_NAME}.corrupt-20261201T100000000Z"
+    assert loaded.moved_to.read_bytes() == damage(raw)  # type: ignore[operator]
+    assert not (tmp_path / FILE_NAME).exists() and loaded.claims == {}
+    again = s.load()  # twice in a row (a crash loop would look like this): a second move, no error
+    assert again.status == "missing"
+
+
+def test_schema_errors_are_corruption_even_with_a_valid_checksum(tmp_path: Path) -> None:
+    raw = json.loads(encode([claim()], boot_id="b", written_at=NOW))
+    raw["data"]["claims"][0]["devices"][0]["surprise"] = 1
+    from agent.dra.checkpoint import _checksum
+
+    raw["checksum"] = _checksum(raw["data"])
+    (tmp_path / FILE_NAME).write_text(json.dumps(raw))
+    loaded = store(tmp_path).load()
+    assert loaded.status == "corrupt" and "unknown field 'surprise'" in loaded.problem
+
+
+def test_a_claim_listed_twice_is_corruption() -> None:
+    raw = json.loads(encode([claim()], boot_id="b", written_at=NOW))
+    raw["data"]["claims"].append(raw["data"]["claims"][0])
+    from agent.dra.checkpoint import _checksum, _Unusable
+
+    raw["checksum"] = _checksum(raw["data"])
+    with pytest.raises(_Unusable, match="listed twice"):
+        decode(json.dumps(raw).encode())
+
+
+def test_two_corrupt_files_in_the_same_millisecond_both_survive(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    for _ in range(2):
+        (tmp_path / FILE_NAME).write_text("{")
+        assert s.load().status == "corrupt"
+    assert len(list(tmp_path.glob(f"{FILE_NAME}.corrupt-*"))) == 2
+
+
+def test_a_crashed_write_leaves_the_old_checkpoint_and_its_temp_file_is_removed(tmp_path: Path) -> None:
+    s = store(tmp_path)
+    s.write([claim("old")], boot_id="b")
+    tmp = s._write_temp(encode([claim("new")], boot_id="b", written_at=NOW))  # the crash: no rename
+    assert tmp.exists() and tmp.name.startswith(".")
+    loaded = s.load()
+    assert set(loaded.claims) == {"old"} and not tmp.exists()
+
+
+def test_a_write_that_cannot_happen_is_a_checkpoint_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    s = CheckpointStore(tmp_path / "file" / "dir")
+    with pytest.raises(CheckpointError, match="cannot create"):
+        s.write([claim()], boot_id="b")
+
+
+def test_a_directory_at_the_path_is_moved_aside(tmp_path: Path) -> None:
+    (tmp_path / FILE_NAME).mkdir()
+    loaded = store(tmp_path).load()
+    assert loaded.status == "corrupt" and "not a regular file" in loaded.problem
+
+
+def test_boot_id(tmp_path: Path) -> None:
+    (tmp_path / "boot_id").write_text("0e1f\n")
+    assert read_boot_id(tmp_path / "boot_id") == "0e1f"
+    assert read_boot_id(tmp_path / "none") == ""

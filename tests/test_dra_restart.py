@@ -1,0 +1,229 @@
+"""Restarts: prepared claims survive the agent, a lost checkpoint is rebuilt, a crash mid-batch
+leaves nothing half done. Each restart builds a new mechanism and CDI service on the same
+directories, as a new agent process would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from agent.dra import mechanism as dra_mechanism
+from agent.dra.checkpoint import CheckpointError, CheckpointStore
+from agent.dra.claim import ClaimRef
+from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
+from tests.test_plugin_fakes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def h() -> AsyncIterator[DraHarness]:
+    async with dra_harness() as harness:
+        await harness.kubelet().register()
+        yield harness
+
+
+def spec_bytes(h: DraHarness) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(h.cdi_root.glob("*claim_*.json"))}
+
+
+def checkpoint_uids(h: DraHarness) -> set[str]:
+    return {c["uid"] for c in json.loads(h.checkpoint.read_text())["data"]["claims"]}
+
+
+async def reconciled(h: DraHarness) -> None:
+    """What the CDI reconciler's first pass does in the new process."""
+    assert h.cdi is not None
+    report = await h.cdi.reconcile_once()
+    assert report.errors == ()
+
+
+async def two_claims(h: DraHarness) -> tuple[ClaimRef, ClaimRef, dict[str, Any]]:
+    a = h.claims.add("a", result("gpu-0"), configs=[opaque(gpu_config({"NCCL_DEBUG": "INFO"}))])
+    b = h.claims.add("b", result("gpu-1"), result("gpu-2", request="x/y"))
+    response = await h.prepare(a, b)
+    return a, b, {a.uid: answer(response, a.uid), b.uid: answer(response, b.uid)}
+
+
+async def test_prepared_claims_survive_a_restart(h: DraHarness) -> None:
+    a, b, answers = await two_claims(h)
+    await h.restart()
+    await reconciled(h)
+    h.claims.down = "API server unreachable"
+    response = await h.prepare(a, b, api="v1beta1")
+    assert {uid: answer(response, uid) for uid in answers} == answers
+    assert h.claim_specs() == {a.uid, b.uid}
+    checkpoint = h.m.debug_state()["checkpoint"]
+    assert checkpoint["loaded"] == "ok" and checkpoint["version"] == 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "edit", "newer-version"])
+async def test_an_unusable_checkpoint_is_rebuilt_from_the_cdi_specs(h: DraHarness, damage: str) -> None:
+    a, b, answers = await two_claims(h)
+    specs = spec_bytes(h)
+    raw = h.checkpoint.read_bytes()
+    h.checkpoint.write_bytes(
+        {
+            "truncate": raw[:100],
+            "edit": raw.replace(b'"gpu-1"', b'"gpu-6"'),
+            "newer-version": raw.replace(b'"version": 1', b'"version": 7'),
+        }[damage]
+    )
+    await h.restart()  # no crash loop: it starts
+    state = h.m.debug_state()["checkpoint"]
+    assert state["loaded"] == "corrupt" and state["rebuilt_claims"] == 2  # type: ignore[index]
+    assert "checkpoint.json.corrupt-" in state["corrupt_moved_aside"]["moved_to"]  # type: ignore[index]
+    assert h.metric("gpu_agent_dra_checkpoint_corruptions_total") == 1.0
+    assert checkpoint_uids(h) == {a.uid, b.uid}  # the rebuilt checkpoint is on disk at once
+    await reconciled(h)
+    assert spec_bytes(h) == specs  # the specs (with the claim's env) stay exactly as they were
+    holders = h.m.usage().holders[h.gpu(1)]
+    assert holders[0].uid == b.uid and holders[0].name == ""  # not known from a spec
+    # the kubelet prepares again after the restart: the same answer, completed from the API
+    response = await h.prepare(a, b)
+    assert {uid: answer(response, uid) for uid in answers} == answers
+    assert h.m.usage().holders[h.gpu(1)][0].name == "b"
+    # and a rebuilt claim can be unprepared
+    assert (await h.unprepare(a)).claims[a.uid].error == ""
+    assert h.claim_specs() == {b.uid} and checkpoint_uids(h) == {b.uid}
+    assert h.m.readiness().ok
+
+
+async def test_a_rebuilt_claim_still_blocks_its_devices(h: DraHarness) -> None:
+    a, _, _ = await two_claims(h)
+    h.checkpoint.write_text("{")
+    await h.restart()
+    thief = h.claims.add("thief", result("gpu-0"))
+    error = (await h.prepare(thief)).claims[thief.uid].error
+    assert f"already prepared for claim ({a.uid})" in error
+
+
+async def test_a_checkpoint_from_an_earlier_boot_keeps_its_claims_and_specs(h: DraHarness) -> None:
+    a, b, answers = await two_claims(h)
+    specs = spec_bytes(h)
+    for path in h.cdi_root.iterdir():  # a reboot empties the tmpfs /var/run/cdi
+        path.unlink()
+    await h.restart(boot_id="boot-2")
+    assert h.m.debug_state()["checkpoint"]["from_earlier_boot"] is True  # type: ignore[index]
+    await reconciled(h)
+    assert spec_bytes(h) == specs
+    response = await h.prepare(a, b)
+    assert {uid: answer(response, uid) for uid in answers} == answers
+    assert (await h.unprepare(a, b)).claims[b.uid].error == ""
+    assert h.claim_specs() == set()
+
+
+async def test_a_failed_checkpoint_write_fails_the_batch_and_leaves_nothing(
+    h: DraHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = h.claims.add("first", result("gpu-3"))
+    await h.prepare(first)
+
+    def broken(self: CheckpointStore, *args: Any, **kwargs: Any) -> str:
+        raise CheckpointError(f"cannot write {self.path}: no space left on device")
+
+    monkeypatch.setattr(CheckpointStore, "write", broken)
+    refs = [h.claims.add(f"c{i}", result(f"gpu-{i}")) for i in range(3)]
+    response = await h.prepare(*refs)
+    for ref in refs:
+        assert "no space left on device" in response.claims[ref.uid].error
+    assert h.claim_specs() == {first.uid}
+    assert h.metric("gpu_agent_dra_claim_errors_total", operation="prepare", reason="checkpoint-error") == 3.0
+    assert "no space left" in h.m.debug_state()["checkpoint"]["last_error"]  # type: ignore[index]
+    # an unprepare that cannot be recorded keeps the claim (the kubelet retries)
+    assert "no space left" in (await h.unprepare(first)).claims[first.uid].error
+    assert first.uid in h.m.driver.prepared
+    monkeypatch.undo()
+    assert all(e.error == "" for e in (await h.prepare(*refs)).claims.values())  # the devices are free
+    assert (await h.unprepare(first)).claims[first.uid].error == ""
+
+
+# --- a crash in the middle of a batch --------------------------------------------------------
+
+
+class Gate:
+    """Stops a coroutine or a worker thread at one point until released (or forever)."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def hold(self) -> None:
+        self.reached.set()
+        self.release.wait(10)
+
+
+def _hook_cdi(h: DraHarness, gate: Gate) -> None:
+    """After the claim's CDI spec is written, before the driver records it."""
+    assert h.cdi is not None
+    real = h.cdi.prepare_claims
+
+    async def prepare_claims(*args: Any, **kwargs: Any) -> Any:
+        names = await real(*args, **kwargs)
+        gate.reached.set()
+        await asyncio.Event().wait()  # the process "dies" here
+        return names
+
+    h.cdi.prepare_claims = prepare_claims  # type: ignore[method-assign]
+
+
+def _hook_store(name: str, after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before or after one step of the checkpoint write (in its worker thread)."""
+    real = getattr(CheckpointStore, name)
+
+    def step(self: CheckpointStore, *args: Any) -> Any:
+        if not after:
+            gate.hold()
+            raise SystemExit("crashed")  # the step never happens
+        out = real(self, *args)
+        gate.hold()
+        return out
+
+    class Crashing(CheckpointStore):
+        pass
+
+    setattr(Crashing, name, step)
+    monkeypatch.setattr(dra_mechanism, "CheckpointStore", Crashing)
+
+
+@pytest.mark.parametrize("point", ["after-cdi-write", "before-rename", "after-rename"])
+async def test_a_crash_mid_batch_leaves_no_orphan_or_missing_spec(
+    h: DraHarness, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    done, _, answers_before = await two_claims(h)
+    refs = [h.claims.add(f"c{i}", result(f"gpu-{i + 3}")) for i in range(3)]
+    gate = Gate()
+    if point == "after-cdi-write":
+        _hook_cdi(h, gate)
+    else:
+        _hook_store("_commit", point == "after-rename", gate, monkeypatch)
+        await h.restart()  # a mechanism whose store stops at that point
+    call = asyncio.create_task(h.prepare(*refs))
+    await wait_for(gate.reached.is_set, what=f"the batch reaching {point}")
+    await h.stop()  # the agent dies with the batch half done
+    call.cancel()
+    await asyncio.gather(call, return_exceptions=True)
+    gate.release.set()
+    monkeypatch.undo()
+
+    await h.restart()
+    await reconciled(h)
+    on_disk = checkpoint_uids(h)
+    assert h.claim_specs() == on_disk  # no orphaned spec, no missing one
+    expected = {done.uid} | ({r.uid for r in refs} if point == "after-rename" else set())
+    assert on_disk >= expected and h.m.debug_state()["checkpoint"]["loaded"] == "ok"  # type: ignore[index]
+    # the kubelet retries the batch: everything is prepared, with the answers a clean run gives
+    response = await h.prepare(done, *refs)
+    assert answer(response, done.uid) == answers_before[done.uid]
+    for i, ref in enumerate(refs):
+        uuid = h.gpu(i + 3)
+        assert answer(response, ref.uid) == [
+            (("gpu",), "node-a", f"gpu-{i + 3}", (f"k8s.gpu-node-agent.nvidia.com/claim={ref.uid}-{uuid}",))
+        ]
+    await reconciled(h)
+    assert h.claim_specs() == checkpoint_uids(h) == {done.uid, *answers_before, *(r.uid for r in refs)}
