@@ -39,13 +39,21 @@ from agent.config.watcher import ConfigWatcher
 from agent.debug.metrics import AgentCollector, LoopLagProbe
 from agent.debug.server import DebugContext, SimulatedControl, serve_debug
 from agent.debug.state import agent_state
+from agent.dra.claim import ClaimSource
+from agent.dra.claim_source import KubeClaimSource
+from agent.dra.mechanism import build_dra
+from agent.dra.noapi import NoApiClaims, NoApiPublisher
+from agent.dra.publisher import SlicePublisher
 from agent.errors import AgentError, ConfigError
 from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
 from agent.inventory.model import Inventory
 from agent.inventory.state import InventoryState
+from agent.kube.discovery import ResourceApi
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
+from agent.kube.recorder import EventRecorder
+from agent.kube.session import open_kube
 from agent.logs import set_level
 from agent.mechanism import Mechanism, Readiness
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
@@ -377,8 +385,38 @@ async def run_agent(
             plugin_dir=config.device_plugins_dir,
             registry=registry,
         )
-        mechanisms: dict[str, Mechanism] = {"device-plugin": plugin}
-        labels = label_source(kubeconfig=config.kubeconfig, node_name=node_name, static_labels={})
+        kube = await stack.enter_async_context(open_kube(config, registry=registry))
+        labels = label_source(client=kube, node_name=node_name, static_labels={})
+        events: EventRecorder | None = None
+        publisher: SlicePublisher | NoApiPublisher = NoApiPublisher()
+        claims: ClaimSource = NoApiClaims()
+        if kube is not None:
+            resources = ResourceApi(kube)
+            publisher = SlicePublisher(
+                client=kube,
+                node_name=node_name,
+                driver_name=config.dra.driver_name,
+                inventory=inventory,
+                ownership=ownership,
+                health=health,
+                registry=registry,
+                resource_api=resources,
+            )
+            claims = KubeClaimSource(client=kube, resource_api=resources)
+            events = EventRecorder(client=kube, node_name=node_name, registry=registry)
+        # loads the DRA checkpoint and tells CDI which claim specs to keep: before CDI reconciles
+        dra = await build_dra(
+            config,
+            claims=claims,
+            publisher=publisher,
+            inventory=inventory,
+            ownership=ownership,
+            health=health,
+            cdi=cdi,
+            registry=registry,
+            node_name=node_name,
+        )
+        mechanisms: dict[str, Mechanism] = {"device-plugin": plugin, "dra": dra}
         agent = Agent(
             config_state=config_state,
             node_name=node_name,
@@ -417,6 +455,8 @@ async def run_agent(
         }
         for name, mechanism in mechanisms.items():
             roots[name] = functools.partial(agent.serve, name, mechanism)
+        if events is not None:
+            roots["kube-events"] = events.run
         if options.config_path is not None:
             watcher = ConfigWatcher(
                 path=options.config_path, overrides=options.overrides, state=config_state, validate=agent.validate

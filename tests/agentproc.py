@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,7 +39,12 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "con
 class AgentProcess:
     def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
         self.root = root
-        self.kubelet_root = root / "kubelet"
+        # the kubelet's sockets live under the kubelet root: keep them under the 107-byte Unix socket
+        # limit, which a pytest tmp_path plus plugins/<driver>/dra.sock passes
+        self._short_root: Path | None = None
+        if len(str(root / "kubelet" / "plugins" / "gpu-node-agent.nvidia.com" / "dra.sock")) > 107:
+            self._short_root = Path(tempfile.mkdtemp(prefix="ga-", dir="/tmp"))
+        self.kubelet_root = (self._short_root or root) / "kubelet"
         self.cdi_root = root / "cdi"
         self.state_dir = root / "state"
         for d in (self.kubelet_root / "device-plugins", self.cdi_root, self.state_dir):
@@ -141,6 +148,8 @@ class AgentProcess:
             self.proc.kill()
             self.proc.wait(timeout=5)
         self._reader.join(timeout=5)
+        if self._short_root is not None:
+            shutil.rmtree(self._short_root, ignore_errors=True)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from agent.config.schema import Owner
 from agent.dra.metrics import DraMetrics
 from agent.dra.plugin import KubeletPlugin
 from agent.dra.registration import RegistrationState
 from agent.dra.registration_servicer import RegistrationServicer
-from agent.errors import ConfigError
 from tests._grpcio import dra_v1_pb2, dra_v1_pb2_grpc
 from tests.dra_fakes import DRIVER, DraHarness, dra_harness, make_config
 from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
@@ -190,8 +190,20 @@ async def test_shutdown_removes_both_sockets() -> None:
         assert not h.dra_socket.exists() and not h.registration_socket.exists()
 
 
-async def test_socket_path_too_long_is_a_config_error() -> None:
+async def test_socket_path_too_long_is_a_readiness_reason_not_a_crash() -> None:
+    """The device plugin of a node that gives DRA no GPU must not go down with DRA's sockets."""
     async with dra_harness(start=False) as h:
         h.config = make_config(h.root / ("x" * 80))
-        with pytest.raises(ConfigError, match=r"at most 107"):
-            await h.build()
+        await h.build()
+        task = asyncio.create_task(h.m.run())
+        try:
+            await wait_for(lambda: h.m.plugin.dra.last_error, what="the failed serve")
+            assert "longer than 107 bytes" in h.m.plugin.dra.last_error
+            readiness = h.m.readiness()
+            assert not readiness.ok and "longer than 107 bytes" in readiness.detail  # GPUs are DRA's here
+            h.set_owner(dict.fromkeys(h.ownership.current.gpus(), Owner.DEVICE_PLUGIN), "dp-only")
+            readiness = h.m.readiness()
+            assert readiness.ok and readiness.detail.startswith("no GPU of this node is given to DRA")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

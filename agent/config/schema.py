@@ -173,10 +173,8 @@ class CdiConfig:
 
 @dataclass(frozen=True, slots=True)
 class DraConfig:
-    """The DRA kubelet plugin and its ResourceSlices (agent/dra)."""
+    """The DRA kubelet plugin and its ResourceSlices (agent/dra); it serves the GPUs owned by ``dra``."""
 
-    # serve GPUs owned by ``dra`` through the kubelet's DRA plugin API and ResourceSlices
-    enabled: bool = True
     # spec.driver of the ResourceSlices, the plugin's registration name and its data directory
     driver_name: str = DEFAULT_DRA_DRIVER
 

@@ -242,6 +242,8 @@ class DraDriver:
         self._prepared: dict[str, PreparedClaim] = {}
         #: claim UID -> devices it reserved while its preparation is in flight
         self._reserved: dict[str, list[PlannedDevice]] = {}
+        #: claim UID -> its reference, for the claims in ``_reserved``
+        self._reserving: dict[str, ClaimRef] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._lock_users: dict[str, int] = {}
         self._write_lock = asyncio.Lock()
@@ -257,6 +259,10 @@ class DraDriver:
     @property
     def prepared(self) -> Mapping[str, PreparedClaim]:
         return self._prepared
+
+    def in_preparation(self) -> list[tuple[ClaimRef, list[PlannedDevice]]]:
+        """Claims whose devices are reserved while their preparation is in flight."""
+        return [(self._reserving[uid], planned) for uid, planned in self._reserved.items() if uid in self._reserving]
 
     def cdi_claims(self) -> dict[str, ClaimDevices]:
         """Which claim specs the CDI reconciler must keep (and re-create when missing)."""
@@ -359,6 +365,7 @@ class DraDriver:
             finally:
                 for p in pending:
                     self._reserved.pop(p.ref.uid, None)
+                    self._reserving.pop(p.ref.uid, None)
             new = [o for o in outcomes.values() if o.new is not None]
             if new:
                 try:
@@ -471,6 +478,7 @@ class DraDriver:
                         f"({'GPU ' + other.gpu_uuid if other.uuid != p.device.uuid else other.uuid})",
                     )
         self._reserved[ref.uid] = planned
+        self._reserving[ref.uid] = ref
 
     def _holder(self, uid: str) -> str:
         claim = self._prepared.get(uid)

@@ -11,6 +11,7 @@ knows it through :class:`SlicePublisher`.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -77,12 +78,14 @@ class DraMechanism:
         feed: HealthFeed,
         registration: RegistrationState,
         publisher: SlicePublisher,
+        ownership: OwnershipState,
     ) -> None:
         self.driver = driver
         self.plugin = plugin
         self.feed = feed
         self.registration = registration
         self.publisher = publisher
+        self._ownership = ownership
 
     async def run(self) -> None:
         """Serve until cancelled; the sockets are removed and calls in flight cancelled on the way out."""
@@ -97,6 +100,18 @@ class DraMechanism:
     # --- the Mechanism interface ------------------------------------------------------------
 
     def readiness(self) -> Readiness:
+        """Serving as it should; a node whose config gives DRA no GPU is ready whatever DRA's state
+        (a kubelet without DRA, as on 1.32/1.33 with the gate off, rejects the plugin there)."""
+        result = self._readiness()
+        if result.ok or self._serves_gpus():
+            return result
+        return Readiness(True, f"no GPU of this node is given to DRA; {result.detail}")
+
+    def _serves_gpus(self) -> bool:
+        desired = self._ownership.desired
+        return any(desired.owner_of(gpu) is Owner.DRA for gpu in desired.gpus())
+
+    def _readiness(self) -> Readiness:
         own = self._own_readiness()
         published = self.publisher.readiness()
         if not own.ok:
@@ -147,7 +162,20 @@ class DraMechanism:
                         since=claim.prepared_at,
                     )
                 )
-        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()})
+        for ref, planned in self.driver.in_preparation():
+            # a claim being prepared holds its devices already: a drain must wait for it too
+            for gpu in dict.fromkeys(p.device.gpu_uuid for p in planned):
+                holders.setdefault(gpu, []).append(
+                    Holder(
+                        kind="claim",
+                        namespace=ref.namespace,
+                        name=ref.name,
+                        uid=ref.uid,
+                        detail="being prepared",
+                        devices=tuple(p.device.name for p in planned if p.device.gpu_uuid == gpu),
+                    )
+                )
+        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=time.monotonic())
 
     def debug_state(self) -> dict[str, object]:
         usage = self.usage()
@@ -200,7 +228,7 @@ async def build_dra(
 ) -> DraMechanism:
     """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
 
-    Raises ConfigError when a socket path would be too long, StartupError when the state
+    Raises StartupError when the state
     directory cannot be read at all; a corrupt checkpoint is moved aside and rebuilt instead.
     """
     driver_name = config.dra.driver_name
@@ -239,4 +267,6 @@ async def build_dra(
     )
     await driver.restore()
     cdi.set_prepared_claims(driver.cdi_claims)
-    return DraMechanism(driver=driver, plugin=plugin, feed=feed, registration=registration, publisher=publisher)
+    return DraMechanism(
+        driver=driver, plugin=plugin, feed=feed, registration=registration, publisher=publisher, ownership=ownership
+    )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +35,8 @@ from grpclib.client import Channel
 
 from agent._proto.dra_v1.k8s.io.kubelet.pkg.apis.dra import v1 as pb_v1
 from agent.backoff import Backoff
-from agent.errors import ConfigError
 from agent.fswatch import RESCAN, DirectoryWatcher
-from agent.sockets import MAX_SOCKET_PATH, UnixGrpcServer
+from agent.sockets import UnixGrpcServer
 
 log = structlog.get_logger("agent.dra")
 
@@ -51,17 +49,6 @@ SELF_CHECK_S = 5.0
 
 def registration_socket_name(driver_name: str) -> str:
     return f"{driver_name}-reg.sock"
-
-
-def check_socket_path(path: Path, what: str) -> Path:
-    """``path`` if a Unix socket can live there (sun_path), else a ConfigError saying why."""
-    size = len(os.fsencode(path))
-    if size > MAX_SOCKET_PATH:
-        raise ConfigError(
-            f"{what} {path} is {size} bytes long; a Unix socket path may have at most {MAX_SOCKET_PATH} "
-            "(shorten paths.kubelet_root or dra.driver_name)"
-        )
-    return path
 
 
 @dataclass
@@ -117,14 +104,10 @@ class KubeletPlugin:
         backoff: Backoff = DEFAULT_BACKOFF,
         self_check: Callable[[Path], Awaitable[None]] = _answers_prepare,
     ) -> None:
-        self.dra = SocketEndpoint(
-            "dra", check_socket_path(dra_socket, "DRA socket"), list(dra_handlers), check=self_check
-        )
-        self.registration = SocketEndpoint(
-            "registration",
-            check_socket_path(registration_socket, "registration socket"),
-            list(registration_handlers),
-        )
+        # a path too long for a Unix socket fails at serve time (UnixGrpcServer), on /readyz:
+        # DRA must not keep the device plugin of a node that gives it no GPU from starting
+        self.dra = SocketEndpoint("dra", dra_socket, list(dra_handlers), check=self_check)
+        self.registration = SocketEndpoint("registration", registration_socket, list(registration_handlers))
         self._backoff = backoff
         self.running = False
         self.restarts = 0
