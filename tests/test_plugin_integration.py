@@ -261,6 +261,7 @@ async def test_bad_inputs_over_the_wire(h: PluginHarness) -> None:
             (stub.Allocate, alloc([h.gpu(6)]), precondition, h.gpu(6)),
             (stub.Allocate, alloc([h.gpu(7)]), precondition, h.gpu(7)),
             (stub.Allocate, alloc([g0, g0]), invalid, g0),
+            (stub.Allocate, alloc([g0], [h.gpu(1), g0]), invalid, "more than one container"),
             (stub.Allocate, alloc(), invalid, "no container requests"),
             (stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=["nope"]), invalid, "nope"),
             (stub.PreStartContainer, pb.PreStartContainerRequest(devices_ids=[h.gpu(6)]), precondition, h.gpu(6)),
