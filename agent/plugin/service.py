@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.config.schema import PluginConfig
+from agent.config.schema import Owner, PluginConfig
 from agent.events import Broadcast
 from agent.inventory.model import Inventory
 from agent.ownership import OwnershipState
@@ -116,6 +116,13 @@ class ResourceService:
                 inventory=self._inventory,
                 replica_policy=self._config.replica_policy,
                 scorer=self._scorer,
+                usable=self._usable,
             )
             for r in requests
         ]
+
+    def _usable(self, device_id: str) -> bool:
+        """Whether a listed device may be handed out now (called for known IDs only)."""
+        device = self.resource.by_id[device_id]
+        granted = self._ownership.current.granted_to(device.gpu_uuid, Owner.DEVICE_PLUGIN)
+        return granted and self._health.is_healthy(device.target_uuid)
