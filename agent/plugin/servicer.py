@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -65,6 +65,16 @@ def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateR
     )
 
 
+def connection_of(stream: Stream[Any, Any]) -> Hashable:
+    """The HTTP/2 connection a request came on, as an identity key (its transport).
+
+    grpclib (pinned, 0.4) keeps the transport in the peer object; the kubelet is recognised by
+    the connection it used inside Register (:mod:`agent.plugin.link`).
+    """
+    transport: Hashable = stream.peer._transport
+    return transport
+
+
 class DevicePluginServicer:
     """Serves one :class:`ResourceService` (one resource, one server run)."""
 
@@ -107,6 +117,8 @@ class DevicePluginServicer:
     # --- handlers ----------------------------------------------------------------------
 
     async def get_device_plugin_options(self, stream: Stream[pb.Empty, pb.DevicePluginOptions]) -> None:
+        self.service.options_requested(connection_of(stream))
+
         async def handle(_: pb.Empty) -> pb.DevicePluginOptions:
             options = self.service.options
             return pb.DevicePluginOptions(
@@ -127,6 +139,7 @@ class DevicePluginServicer:
         task = asyncio.current_task()
         assert task is not None
         self.streams.add(task)
+        token = service.stream_opened(connection_of(stream))
         try:
             with (
                 structlog.contextvars.bound_contextvars(
@@ -146,6 +159,7 @@ class DevicePluginServicer:
                 log.info("ListAndWatch stream ended: server stopping")
         finally:
             self.streams.discard(task)
+            service.stream_closed(token)
 
     async def get_preferred_allocation(
         self, stream: Stream[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse]
