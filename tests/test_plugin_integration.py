@@ -518,7 +518,7 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
             kubelet = FakeKubelet(blocker)
             await kubelet.start()
             try:
-                await wait_for(lambda: manager.ready, within_s=5.0, what="registration once the kubelet is there")
+                await wait_for(lambda: manager.ready, what="registration once the kubelet is there")
                 assert kubelet.calls_for(GPU)
             finally:
                 await kubelet.stop()
