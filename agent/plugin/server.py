@@ -215,6 +215,7 @@ class PluginServer:
             "device_count": len(devices),
             "healthy_count": sum(1 for d in devices if d.healthy),
             "open_streams": self.open_streams,
+            "reconcile_passes": self.passes,
         }
 
     # --- the loop -----------------------------------------------------------------------
@@ -268,27 +269,27 @@ class PluginServer:
 
     async def _sleep(self, until: float | None) -> None:
         """Until a wake-up has settled, or ``until`` (monotonic) passes with none."""
+        timeout = None if until is None else max(0.0, until - self._clock())
         self._waiting = True
         try:
-            timeout = None if until is None else max(0.0, until - self._clock())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._wake.wait()
-            if not self._wake.is_set():
-                return
-            settle_until = self._clock() + self._timeouts.settle_max_s
-            while True:
-                self._wake.clear()
-                quiet = min(self._timeouts.settle_s, settle_until - self._clock())
-                if quiet <= 0:
-                    return
-                try:
-                    async with asyncio.timeout(quiet):
-                        await self._wake.wait()
-                except TimeoutError:
-                    return
         finally:
             self._waiting = False
+        if not self._wake.is_set():
+            return
+        settle_until = self._clock() + self._timeouts.settle_max_s
+        while True:
+            self._wake.clear()
+            quiet = min(self._timeouts.settle_s, settle_until - self._clock())
+            if quiet <= 0:
+                return
+            try:
+                async with asyncio.timeout(quiet):
+                    await self._wake.wait()
+            except TimeoutError:
+                return
 
     async def _start(self) -> bool:
         """Serve a new run and self-check it; on failure schedule a retry and return False."""
