@@ -48,7 +48,7 @@ class Stream:
         async for message in self.call:
             await self.messages.put(message)
 
-    async def next_matching(self, predicate: object, within_s: float = 5.0) -> pb.ListAndWatchResponse:
+    async def next_matching(self, predicate: object, within_s: float = 10.0) -> pb.ListAndWatchResponse:
         async def find() -> pb.ListAndWatchResponse:
             while True:
                 message = await self.messages.get()

@@ -215,7 +215,7 @@ async def plugin_harness(
             await harness.stop()
 
 
-async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:  # type: ignore[type-arg]
+async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 10.0) -> pb.ListAndWatchResponse:  # type: ignore[type-arg]
     """The next ListAndWatch message; fails if the stream ends or stays silent."""
     message = await asyncio.wait_for(call.read(), within_s)
     assert message is not grpc.aio.EOF, "ListAndWatch ended"

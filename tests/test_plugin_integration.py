@@ -204,7 +204,7 @@ async def test_ownership_change_during_allocate_refuses_the_gpu() -> None:
                 pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[g0])])
             )
             pending = asyncio.ensure_future(call)
-            await asyncio.wait_for(h.cdi.entered.wait(), 2)
+            await asyncio.wait_for(h.cdi.entered.wait(), 10)
             h.set_owner({g0: Owner.DRA}, "handover")
             h.cdi.gate.set()
             with pytest.raises(grpc.aio.AioRpcError) as info:
