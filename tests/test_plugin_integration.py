@@ -339,6 +339,25 @@ async def test_own_socket_deleted_while_the_kubelet_holds_the_stream(h: PluginHa
     assert server.last_restart_reason == "own socket deleted or replaced"
 
 
+async def test_another_clients_stream_is_not_the_kubelets(h: PluginHarness) -> None:
+    """A debugging client holding ListAndWatch must not pass for the kubelet: when the kubelet's
+    own stream ends, the server registers again although another stream is still open."""
+    await h.settled()
+    server = h.manager.servers[GPU]
+    async with h.channel() as channel:
+        stub = pb_grpc.DevicePluginStub(channel)
+        await stub.GetDevicePluginOptions(pb.Empty())  # asks what the kubelet asks, outside Register
+        call = stub.ListAndWatch(pb.Empty())
+        await next_message(call)
+        process = h.kubelet.current
+        assert process is not None
+        process.drop(GPU)
+        await wait_for(lambda: process.registrations(GPU) == 2, what="registered again")
+        await h.settled()
+        assert server.open_streams == 2 and server.runs == 1
+        call.cancel()
+
+
 async def test_kubelet_that_drops_the_stream_gets_one_new_register(h: PluginHarness) -> None:
     await h.settled()
     process = h.kubelet.current

@@ -68,10 +68,12 @@ def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateR
 def connection_of(stream: Stream[Any, Any]) -> Hashable:
     """The HTTP/2 connection a request came on, as an identity key (its transport).
 
-    grpclib (pinned, 0.4) keeps the transport in the peer object; the kubelet is recognised by
-    the connection it used inside Register (:mod:`agent.plugin.link`).
+    The kubelet is recognised by the connection it used inside Register (:mod:`agent.plugin.link`).
+    grpclib 0.4 keeps the transport in the peer object, unexported; should a release drop it,
+    every connection reads as one (any stream during or after Register then counts as the
+    kubelet's), which degrades recognition but never breaks an RPC.
     """
-    transport: Hashable = stream.peer._transport
+    transport: Hashable = getattr(stream.peer, "_transport", None)
     return transport
 
 
