@@ -163,6 +163,8 @@ class KubeletProcess:
         if not _RESOURCE_NAME.match(request.resource_name) or request.resource_name.startswith("kubernetes.io/"):
             call.error = f'the ResourceName "{request.resource_name}" is invalid'
             context.abort(grpc.StatusCode.UNKNOWN, call.error)
+        if self.kubelet.before_dial is not None:
+            self.kubelet.before_dial()
         channel = grpc.insecure_channel(f"unix:{self.kubelet.plugin_dir / request.endpoint}")
         with self.lock:
             if not self.alive:
@@ -282,6 +284,8 @@ class FakeKubelet:
         self.reject = ""  # when set, Register fails with this message (after dialling the plugin)
         #: False: accept Register but never open ListAndWatch (a kubelet in trouble)
         self.open_streams = True
+        #: called in the Register handler before it dials the plugin (a test's hook into that moment)
+        self.before_dial: Callable[[], None] | None = None
         self.starts: list[KubeletProcess] = []
         #: restarts whose new kubelet.sock got the old inode number
         self.inode_reuses = 0

@@ -416,7 +416,7 @@ async def test_restart_cut_short_by_a_rebuild_leaves_no_old_server(monkeypatch: 
         server = h.manager.servers[GPU]
         run = server._run
         assert run is not None
-        listener = run.server
+        listener = run.listener
         async with h.channel() as channel:
             call = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty())
             await next_message(call)

@@ -162,6 +162,27 @@ async def test_kubelet_that_never_opens_the_stream_is_asked_again() -> None:
         assert server.runs == 2  # one restart for the wiped socket; then Register again on that run
 
 
+async def test_socket_wiped_while_the_kubelet_dials_it_inside_register(h: PluginHarness) -> None:
+    """A kubelet that wipes the directory just after our Register reached it dials a missing
+    path and waits (WithBlock). The run listens there again, so that very dial registers it:
+    no second run, no second Register, no ten-second stall."""
+    server = h.manager.servers[GPU]
+    socket = h.socket()
+
+    def wipe_once() -> None:
+        h.kubelet.before_dial = None
+        socket.unlink()
+
+    h.kubelet.restart_now()
+    h.kubelet.before_dial = wipe_once  # the new run's Register meets a wipe
+    await h.settled()
+    process = h.kubelet.current
+    assert process is not None and process.registrations(GPU) == 1 and process.dropped_new == 0
+    assert server.runs == 2  # the restart's run, not a third one
+    run = server._run
+    assert run is not None and len(run.retired) == 1 and socket.is_socket()
+
+
 async def test_debug_state_tells_the_registration_story(h: PluginHarness) -> None:
     state = h.manager.debug_state()["resources"][GPU]  # type: ignore[index]
     assert state["registered"] is True and state["socket_present"] is True

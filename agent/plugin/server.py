@@ -13,14 +13,10 @@ another wake-up, ``settle_max_s`` at most), so a kubelet restart's two filesyste
 milliseconds apart, or everything that queued while the agent was paused, make one pass that
 sees where things ended up.
 
-A run: build a fresh :class:`ResourceService` (new change feed, new streams, new link) and serve
-it on ``<device-plugins>/<socket>`` (stale file removed first), dial it and call
-GetDevicePluginOptions (as NVIDIA does) so the kubelet never gets an endpoint that does not
-answer, then ``Registration/Register`` on ``kubelet.sock``. The kubelet calls
-GetDevicePluginOptions on us from inside its Register handler, which works because the server
-runs on this loop. Stopping a run ends its ListAndWatch streams, closes the server and removes
-the socket file, in that order: the kubelet marks a resource's *current* endpoint unhealthy when
-an old stream ends, so old streams end before a new registration exists.
+A run (:class:`~agent.plugin.run.ServerRun`) serves a fresh service on
+``<device-plugins>/<socket>``; then ``Registration/Register`` goes to ``kubelet.sock``. The
+kubelet calls GetDevicePluginOptions on us from inside its Register handler, which works
+because the server runs on this loop.
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -44,9 +40,8 @@ from agent.plugin.metrics import PluginMetrics
 from agent.plugin.preferred import TopologyScorer
 from agent.plugin.registration import Action, Observation, Step, decide
 from agent.plugin.resources import DeviceState, Resource
+from agent.plugin.run import ServerRun
 from agent.plugin.service import ResourceService
-from agent.plugin.servicer import DevicePluginServicer
-from agent.sockets import UnixGrpcServer
 
 log = structlog.get_logger("agent.plugin")
 
@@ -81,30 +76,6 @@ MakeService = Callable[[Resource, KubeletLink], ResourceService]
 MAX_RELISTENS = 3
 
 
-@dataclass(slots=True)
-class _Run:
-    """One serve -> Register cycle: its server, servicer, service and kubelet link."""
-
-    server: UnixGrpcServer
-    servicer: DevicePluginServicer
-    service: ResourceService
-    link: KubeletLink
-    #: earlier listeners of this run whose socket file went (their connections stay open)
-    retired: list[UnixGrpcServer] = field(default_factory=list)
-
-
-async def _close_all(listeners: list[UnixGrpcServer]) -> None:
-    """Close every listener, even when cancelled part-way (then re-raise)."""
-    cancelled: asyncio.CancelledError | None = None
-    for listener in listeners:
-        try:
-            await listener.close()
-        except asyncio.CancelledError as exc:
-            cancelled = exc
-    if cancelled is not None:
-        raise cancelled
-
-
 class PluginServer:
     def __init__(
         self,
@@ -125,7 +96,7 @@ class PluginServer:
         self._backoff = backoff
         self._timeouts = timeouts
         self._clock = clock
-        self._run: _Run | None = None
+        self._run: ServerRun | None = None
         self._wake = asyncio.Event()
         self._retry_at: float | None = None
         self._stream_deadline: float | None = None
@@ -148,7 +119,7 @@ class PluginServer:
 
     @property
     def serving(self) -> bool:
-        return self._run is not None and self._run.server.serving
+        return self._run is not None and self._run.serving
 
     @property
     def registered(self) -> bool:
@@ -205,7 +176,7 @@ class PluginServer:
         return {
             "socket": str(self.socket_path),
             "serving": self.serving,
-            "socket_present": run is not None and run.server.socket_present(),
+            "socket_present": run is not None and run.socket_present(),
             **link,
             "registrations": self.registrations,
             "register_attempts": self.attempts,
@@ -239,7 +210,7 @@ class PluginServer:
         return Observation(
             now=self._clock(),
             serving=self.serving,
-            socket_present=run is not None and run.server.socket_present(),
+            socket_present=run is not None and run.socket_present(),
             kubelet_stream_open=run is not None and run.link.kubelet_stream_open,
             accepted=run is not None and run.link.accepted,
             stream_seen=run is not None and run.link.stream_seen,
@@ -294,14 +265,10 @@ class PluginServer:
     async def _start(self) -> bool:
         """Serve a new run and self-check it; on failure schedule a retry and return False."""
         self.runs += 1
-        link = KubeletLink(on_change=self._on_link_change)
-        service = self._make_service(self.resource, link)
-        servicer = DevicePluginServicer(service, observe=self._observe_rpc)
-        server = UnixGrpcServer(self.socket_path, [servicer])
-        self._run = _Run(server, servicer, service, link)
+        service = self._make_service(self.resource, KubeletLink(on_change=self._on_link_change))
+        self._run = ServerRun(self.socket_path, service, observe=self._observe_rpc)
         try:
-            await server.start()
-            await self._self_check()
+            await self._run.start(self_check_s=self._timeouts.self_check_s)
         except Exception as exc:  # StartupError, a self-check that fails or times out
             self._start_failures += 1
             self.last_error = f"serve on {self.socket_path}: {exc}"
@@ -321,20 +288,11 @@ class PluginServer:
         self._update_device_gauge()
         return True
 
-    async def _self_check(self) -> None:
-        channel = Channel(path=str(self.socket_path))
-        try:
-            await pb.DevicePluginStub(channel).get_device_plugin_options(
-                pb.Empty(), timeout=self._timeouts.self_check_s
-            )
-        finally:
-            channel.close()
-
     async def _register(self) -> None:
         """One Register call; success starts the wait for the kubelet's stream, failure a backoff."""
         run = self._run
         assert run is not None
-        if not run.server.socket_present():
+        if not run.socket_present():
             # never send the kubelet to a path that is not ours: it would dial (and wait for) a
             # file our next run creates, and register that run behind our back
             self._wake.set()
@@ -387,7 +345,7 @@ class PluginServer:
         finally:
             channel.close()
 
-    async def _await_register(self, call: asyncio.Future[pb.Empty], run: _Run) -> None:
+    async def _await_register(self, call: asyncio.Future[pb.Empty], run: ServerRun) -> None:
         """Wait for our Register call, keeping a listener at our path meanwhile.
 
         Inside Register the kubelet dials our socket and waits for it to accept (grpc.WithBlock,
@@ -409,7 +367,7 @@ class PluginServer:
                     continue
                 self._wake.clear()
                 woken = True
-                if not run.server.socket_present() and relistens < MAX_RELISTENS:
+                if not run.socket_present() and relistens < MAX_RELISTENS:
                     relistens += 1
                     await self._relisten(run)
             call.result()
@@ -418,16 +376,13 @@ class PluginServer:
             if woken:  # what woke us is looked at by the next pass
                 self._wake.set()
 
-    async def _relisten(self, run: _Run) -> None:
-        listener = UnixGrpcServer(self.socket_path, [run.servicer])
+    async def _relisten(self, run: ServerRun) -> None:
         try:
-            await listener.start()
+            await run.relisten()
         except Exception as exc:  # the next pass restarts the run if the file stays missing
             log.warning("cannot listen again during Register", socket=str(self.socket_path), error=str(exc))
             return
         log.info("socket removed while registering: listening again", socket=str(self.socket_path))
-        run.retired.append(run.server)
-        run.server = listener
 
     def _on_link_change(self) -> None:
         """A kubelet stream of the current run opened or ended."""
@@ -438,22 +393,12 @@ class PluginServer:
         self.wake()
 
     async def _stop(self) -> None:
-        """End this run's streams, then close the server. Idempotent."""
+        """End the current run (streams first, then its listeners). Idempotent."""
         run, self._run = self._run, None
         self._stream_deadline = None
         self._metrics.registered.labels(self.resource.name).set(0)
-        if run is None:
-            return
-        run.service.stop_streams()
-        try:
-            if run.servicer.streams:
-                # streams return after their current send; one whose client stopped reading is
-                # cancelled by the server close below
-                await asyncio.wait(set(run.servicer.streams), timeout=self._timeouts.stream_drain_s)
-        finally:
-            # even when cancelled while draining: this run's listeners must not outlive it. The
-            # current one first: it removes the file; a retired one finds it gone
-            await _close_all([run.server, *run.retired])
+        if run is not None:
+            await run.stop(drain_s=self._timeouts.stream_drain_s)
 
     def _observe_rpc(self, method: str, result: str, seconds: float) -> None:
         self._metrics.rpc_seconds.labels(self.resource.name, method, result).observe(seconds)
