@@ -396,6 +396,28 @@ async def test_config_change_rebuilds_servers(h: PluginHarness) -> None:
     assert h.manager.servers["example.com/gpu"].runs == 1
 
 
+async def test_plugin_config_change_that_keeps_the_name_keeps_the_registration(h: PluginHarness) -> None:
+    """Stopping the server and registering the same resource again would race the kubelet's
+    handling of the old stream's end: the kept server's stream carries the change instead."""
+    await h.settled()
+    server = h.manager.servers[GPU]
+    process = h.kubelet.current
+    assert process is not None
+    h.set_plugin_config(PluginConfig(device_id_strategy="index", device_list_strategy=("volume-mounts",)), "v2")
+
+    def kubelet_sees_index_ids() -> bool:
+        client = process.clients.get(GPU)
+        return client is not None and [d.ID for d in client.devices] == [str(i) for i in range(8)]
+
+    await wait_for(kubelet_sees_index_ids, what="the new IDs on the kubelet's stream")
+    assert process.registrations(GPU) == 1 and server.runs == 1 and h.manager.servers[GPU] is server
+    async with h.channel() as channel:  # the new config answers Allocate too
+        response = await pb_grpc.DevicePluginStub(channel).Allocate(
+            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["3"])])
+        )
+    assert [m.container_path for m in response.container_responses[0].mounts] == ["/var/run/nvidia-container-devices/3"]
+
+
 async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
     h.set_plugin_config(PluginConfig(enabled=False), "off")
     await wait_for(lambda: not h.manager.servers and not h.socket().exists(), what="every server stopped")
