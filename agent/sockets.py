@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import stat
 import weakref
 from collections.abc import Sequence
@@ -37,33 +36,40 @@ log = structlog.get_logger("agent.sockets")
 MAX_SOCKET_PATH = 107
 
 
-def remove_stale_socket(path: Path) -> bool:
+async def remove_stale_socket(path: Path, *, probe_s: float = 0.5) -> bool:
     """Remove a socket file nobody serves on (a crashed run's); returns whether one was removed.
 
     Anything else at ``path`` is left alone and is a StartupError: a directory or a regular
-    file, and a socket that still accepts connections (another process serves there).
+    file, and a socket that still accepts connections (another process serves there). The probe
+    connects without blocking the loop; a listener that does not accept within ``probe_s`` (its
+    backlog is full) is alive too: only a refused connection proves the file stale.
     """
+    # metadata calls on a local directory: microseconds, fine on the loop; the connect is not
     try:
-        mode = path.lstat().st_mode
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return False
     if not stat.S_ISSOCK(mode):
         kind = "a directory" if stat.S_ISDIR(mode) else "a file that is not a socket"
         raise StartupError(f"cannot listen on {path}: {kind} is in the way")
-    if _accepts(path):
+    if await _accepts(path, within_s=probe_s):
         raise StartupError(f"cannot listen on {path}: another process is serving on it")
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
+        os.unlink(path)
     return True
 
 
-def _accepts(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(0.5)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            return False
+async def _accepts(path: Path, *, within_s: float) -> bool:
+    try:
+        async with asyncio.timeout(within_s):
+            _reader, writer = await asyncio.open_unix_connection(str(path))
+    except TimeoutError:
+        return True  # a listener whose backlog is full: somebody is there
+    except OSError:
+        return False  # refused (nobody listens), or the file went away meanwhile
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
     return True
 
 
@@ -127,7 +133,7 @@ class UnixGrpcServer:
             raise StartupError(f"socket path {self.path} is longer than {MAX_SOCKET_PATH} bytes")
         try:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
-            if remove_stale_socket(self.path):
+            if await remove_stale_socket(self.path):
                 log.info("removed stale socket", path=str(self.path))
             server = _Server(self._handlers)
             await server.start(path=str(self.path))
@@ -163,16 +169,3 @@ class UnixGrpcServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
-
-
-async def socket_accepts(path: Path, *, within_s: float) -> bool:
-    """Whether something accepts connections on the Unix socket ``path`` within ``within_s``."""
-    try:
-        async with asyncio.timeout(within_s):
-            _reader, writer = await asyncio.open_unix_connection(str(path))
-    except (OSError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True

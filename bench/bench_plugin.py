@@ -3,8 +3,10 @@
 * Allocate p50/p99 from a grpcio client in a separate process (sync stubs, a thread per
   concurrent caller) at 1 and 32 concurrent callers;
 * health change (simulated Xid) -> the updated list read from an open ListAndWatch stream;
-* kubelet restart (sockets deleted, new kubelet.sock) -> the fresh Register reaching the
-  fake kubelet.
+* kubelet restart (the old kubelet dies, device-plugins/ wiped, new kubelet.sock) -> the one
+  fresh Register reaching the new kubelet, and -> the kubelet's ListAndWatch stream open again;
+  with the agent paused during the restart (it sees everything at once) and running meanwhile.
+  Production timeouts (a 50 ms settle after the last wake-up).
 
 The plugin runs on the simulated ``h100-8x-nvlink`` node in a temporary kubelet root, with the
 fake kubelet from the tests. Usage: ``.venv/bin/python bench/bench_plugin.py [--calls N]``.
@@ -30,6 +32,8 @@ import grpc
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.test_plugin_fakes import plugin_harness, wait_for
+
+GPU = "nvidia.com/gpu"
 
 
 def percentiles(samples: list[float]) -> str:
@@ -105,28 +109,30 @@ async def bench_health(rounds: int) -> None:
 
 
 async def bench_restart(rounds: int) -> None:
-    async with plugin_harness() as h:
-        await h.wait_ready()
-        samples: list[float] = []
-        for _ in range(rounds):
-            count = len(h.kubelet.calls)
-            await h.kubelet.stop()
-            for path in h.plugin_dir.iterdir():
-                if path.is_socket():
-                    path.unlink()
-            started = time.monotonic()
-            await h.kubelet.start()  # new kubelet.sock
-            await wait_for(lambda n=count: len(h.kubelet.calls) > n, within_s=5.0, what="Register")  # type: ignore[misc]
-            samples.append(h.kubelet.calls[-1].at - started)
-            await h.wait_ready()
-        print(f"kubelet restart -> Register received:    {percentiles(samples)}")
+    for mode in ("paused", "concurrent"):
+        async with plugin_harness() as h:
+            await h.settled()
+            register: list[float] = []
+            stream: list[float] = []
+            for _ in range(rounds):
+                process = h.kubelet.restart_now() if mode == "paused" else await h.kubelet.restart()
+                started = time.monotonic()  # the new kubelet listens
+                await wait_for(lambda p=process: p.holds_live_stream(GPU), what="the kubelet's stream")  # type: ignore[misc]
+                (call,) = [c for c in process.calls if c.accepted]
+                opened = process.clients[GPU].opened_at
+                assert opened is not None
+                register.append(call.at - started)
+                stream.append(opened - started)
+                await h.settled()
+            print(f"kubelet restart ({mode:10s}) -> Register:     {percentiles(register)}")
+            print(f"kubelet restart ({mode:10s}) -> stream open:  {percentiles(stream)}")
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="Allocate calls per concurrency level")
     parser.add_argument("--rounds", type=int, default=200, help="health flips")
-    parser.add_argument("--restarts", type=int, default=30, help="kubelet restarts")
+    parser.add_argument("--restarts", type=int, default=200, help="kubelet restarts per mode")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))

@@ -137,7 +137,20 @@ class AgentProcess:
         self.wait_port(timeout)
         wait_for(lambda: self.get("/readyz")[0] == 200, timeout, "/readyz to answer 200")
 
-    def terminate(self, timeout: float = 5.0) -> tuple[int, float]:
+    def pause(self, timeout: float = 10.0) -> None:
+        """SIGSTOP, and wait until the kernel reports the process stopped."""
+        self.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: self._state() == "T", timeout, "the agent to stop")
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def _state(self) -> str:
+        # /proc/<pid>/stat: "pid (comm) S ..."; comm may hold spaces, the state follows the last ")"
+        stat = Path(f"/proc/{self.proc.pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0]
+
+    def terminate(self, timeout: float = 15.0) -> tuple[int, float]:
         started = time.monotonic()
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout=timeout)

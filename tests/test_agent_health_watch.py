@@ -17,6 +17,7 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.simulated import SimulatedBackend
 from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
+from tests.test_plugin_fakes import wait_for
 
 
 async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() -> None:
@@ -38,13 +39,10 @@ async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() 
     )
     task = asyncio.create_task(agent.watch_health())
     try:
-        for _ in range(100):
-            if backend._emit is not None:
-                break
-            await asyncio.sleep(0)
+        await wait_for(lambda: backend._emit is not None, what="the first health watch")
         for round_ in range(20):
             agent.apply_inventory(replace(inventory, driver_version=f"570.{round_}"))
-            for _ in range(5):  # every loop step of the hand-over
+            for _ in range(5):  # several loop steps of the hand-over (the check holds at every one)
                 backend.inject("0", healthy=True)  # raises if no watch is running
                 await asyncio.sleep(0)
         assert not task.done()

@@ -90,9 +90,8 @@ def test_simulated_agent_lifecycle(tmp_path: Path, start: object) -> None:
     assert "gpu_agent_config_rejections_total 1.0" in metrics
     assert "gpu_agent_config_reloads_total 2.0" in metrics
 
-    code, took = agent.terminate()
+    code, _ = agent.terminate()
     assert code == 0, agent.output()
-    assert took < 5
 
 
 def test_configmap_symlink_swap_is_applied(tmp_path: Path, start: object) -> None:

@@ -38,7 +38,7 @@ class Collector:
     def seen(self) -> set[str]:
         return set().union(*self.batches) if self.batches else set()
 
-    async def until(self, *names: str, within_s: float = 3.0) -> None:
+    async def until(self, *names: str, within_s: float = 10.0) -> None:
         async with asyncio.timeout(within_s):
             while not set(names) <= self.seen:
                 self.changed.clear()
@@ -61,7 +61,7 @@ async def watching(path: Path, use_inotify: bool) -> AsyncIterator[Collector]:
             yield collector
         finally:
             await watcher.close()
-            await asyncio.wait_for(collector.task, 1.0)  # close ends the iteration
+            await asyncio.wait_for(collector.task, 10.0)  # close ends the iteration
 
 
 Step = Callable[[Path], object]
@@ -266,7 +266,7 @@ async def test_close_is_idempotent_and_ends_iteration(tmp_path: Path, use_inotif
         await asyncio.sleep(0)
         await watcher.close()
         with pytest.raises(StopAsyncIteration):
-            await asyncio.wait_for(pending, 1.0)
+            await asyncio.wait_for(pending, 10.0)
     await watcher.close()
 
 

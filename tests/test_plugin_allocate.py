@@ -183,6 +183,25 @@ async def test_empty_request_and_one_bad_container_refuse_all(inv: Inventory) ->
     assert err.value.kind is ErrorKind.INVALID_ARGUMENT
 
 
+async def test_one_id_in_two_containers_is_refused_naming_it(inv: Inventory) -> None:
+    g0, g1, g2 = gpu(inv, 0), gpu(inv, 1), gpu(inv, 2)
+    with pytest.raises(AllocationError) as err:
+        await allocate(inv, PluginConfig(), [[g0, g1], [g2], [g1, g0]])
+    assert err.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert err.value.device_ids == tuple(sorted((g0, g1)))
+    assert "more than one container" in str(err.value) and g0 in str(err.value) and g1 in str(err.value)
+    assert g2 not in str(err.value)
+
+
+async def test_replicas_of_one_gpu_may_go_to_two_containers(inv: Inventory) -> None:
+    config = PluginConfig(time_slicing=TimeSlicingConfig(replicas=2))
+    g0 = gpu(inv, 0)
+    out = await allocate(inv, config, [[f"{g0}::0"], [f"{g0}::1"]])
+    assert [a.envs["NVIDIA_VISIBLE_DEVICES"] for a in out] == [g0, g0]
+    with pytest.raises(AllocationError, match="more than one container"):
+        await allocate(inv, config, [[f"{g0}::0"], [f"{g0}::0"]])
+
+
 def test_prestart_validates(inv: Inventory) -> None:
     allocator = Allocator(config=PluginConfig(), cdi=FakeCdi())
     res = resource(inv, PluginConfig())

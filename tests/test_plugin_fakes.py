@@ -1,8 +1,6 @@
 """Test doubles for the device plugin tests (and bench/bench_plugin.py); holds no tests.
 
-* :class:`FakeKubelet` — the kubelet's ``Registration`` service on ``kubelet.sock``, built on
-  grpcio like the real (Go) kubelet's: its Register handler dials the plugin endpoint and calls
-  GetDevicePluginOptions before it answers, and records every call.
+* :class:`FakeKubelet` — the rude kubelet of :mod:`tests.fake_kubelet` (re-exported here).
 * :class:`FakeCdi` — the :class:`~agent.plugin.cdinames.CdiNames` the plugin calls.
 * :class:`PluginHarness` — a :class:`PluginManager` on the simulated ``h100-8x-nvlink`` node in
   a short temporary kubelet root, with helpers to wait on conditions (never fixed sleeps) and
@@ -33,8 +31,9 @@ from agent.inventory.simulated import SimulatedBackend
 from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState, compute_ownership
 from agent.plugin.manager import PluginManager
+from agent.plugin.server import DEFAULT_TIMEOUTS, Timeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
-from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from tests.fake_kubelet import FakeKubelet
 
 NODE = "node-a"
 PRESET = "h100-8x-nvlink"
@@ -42,8 +41,11 @@ FAST_HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
 FAST_BACKOFF = Backoff(initial_s=0.05, max_s=0.2)
 
 
-async def wait_for(condition: Callable[[], object], *, within_s: float = 3.0, what: str = "condition") -> None:
-    """Poll ``condition`` on the loop until it is truthy; fail after ``within_s`` seconds."""
+async def wait_for(condition: Callable[[], object], *, within_s: float = 10.0, what: str = "condition") -> None:
+    """Poll ``condition`` on the loop until it is truthy; fail after ``within_s`` seconds.
+
+    ``within_s`` only bounds a hang: a loaded CI machine may be slow, a passing test never waits it out.
+    """
     deadline = time.monotonic() + within_s
     while not condition():
         if time.monotonic() > deadline:
@@ -59,81 +61,6 @@ def short_tmpdir() -> Any:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-@dataclass
-class RegisterCall:
-    request: pb.RegisterRequest
-    options: pb.DevicePluginOptions | None  # what GetDevicePluginOptions answered inside Register
-    error: str = ""
-    at: float = field(default_factory=time.monotonic)
-
-
-class _Registration(pb_grpc.RegistrationServicer):
-    def __init__(self, kubelet: FakeKubelet) -> None:
-        self.kubelet = kubelet
-
-    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.Empty:  # type: ignore[override]
-        kubelet = self.kubelet
-        if request.version != "v1beta1":
-            await context.abort(grpc.StatusCode.UNKNOWN, f'requested API version "{request.version}" is not supported')
-        endpoint = kubelet.plugin_dir / request.endpoint
-        options: pb.DevicePluginOptions | None = None
-        error = ""
-        try:
-            async with grpc.aio.insecure_channel(f"unix://{endpoint}") as channel:
-                stub = pb_grpc.DevicePluginStub(channel)
-                options = await stub.GetDevicePluginOptions(pb.Empty(), timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            error = f"{exc.code()}: {exc.details()}"
-        kubelet.calls.append(RegisterCall(request=request, options=options, error=error))
-        kubelet.registered.set()
-        if kubelet.reject:
-            await context.abort(grpc.StatusCode.UNKNOWN, kubelet.reject)
-        if error:
-            await context.abort(grpc.StatusCode.UNKNOWN, f"cannot dial plugin endpoint: {error}")
-        return pb.Empty()
-
-
-class FakeKubelet:
-    """The kubelet's registration server on ``<plugin_dir>/kubelet.sock`` (grpcio)."""
-
-    def __init__(self, plugin_dir: Path) -> None:
-        self.plugin_dir = plugin_dir
-        self.socket = plugin_dir / "kubelet.sock"
-        self.calls: list[RegisterCall] = []
-        self.registered = asyncio.Event()
-        self.reject = ""  # when set, Register fails with this message
-        self._server: grpc.aio.Server | None = None
-
-    async def start(self) -> None:
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket.unlink()
-        server = grpc.aio.server()
-        pb_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port(f"unix://{self.socket}")
-        await server.start()
-        self._server = server
-
-    async def stop(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            await server.stop(grace=None)
-        with contextlib.suppress(FileNotFoundError):
-            self.socket.unlink()
-
-    async def restart(self, *, delete_sockets: bool = True) -> None:
-        """What a kubelet restart does to the directory: sockets deleted, new kubelet.sock."""
-        await self.stop()
-        if delete_sockets:
-            for path in self.plugin_dir.iterdir():
-                if path.is_socket():
-                    path.unlink()
-        await self.start()
-
-    def calls_for(self, resource: str) -> list[RegisterCall]:
-        return [c for c in self.calls if c.request.resource_name == resource]
 
 
 @dataclass
@@ -223,8 +150,23 @@ class PluginHarness:
         self.task = asyncio.create_task(self.manager.run(), name="plugin-manager")
         await wait_for(lambda: self.backend._emit is not None, what="health watch")
 
-    async def wait_ready(self, within_s: float = 5.0) -> None:
+    async def wait_ready(self, within_s: float = 10.0) -> None:
         await wait_for(lambda: self.manager.ready, within_s=within_s, what="manager ready")
+
+    def is_settled(self) -> bool:
+        """The agent is done reacting: every server quiet and registered, and the running kubelet
+        holds a live ListAndWatch stream of every resource."""
+        process = self.kubelet.current
+        servers = self.manager.servers
+        return (
+            process is not None
+            and self.manager.ready
+            and all(s.quiet for s in servers.values())
+            and all(process.holds_live_stream(name) for name in servers)
+        )
+
+    async def settled(self, within_s: float = 10.0) -> None:
+        await wait_for(self.is_settled, within_s=within_s, what="the plugin to settle, registered")
 
     async def stop(self) -> None:
         for task in (self.task, self._health_task):
@@ -237,7 +179,11 @@ class PluginHarness:
 
 @contextlib.asynccontextmanager
 async def plugin_harness(
-    plugin: PluginConfig | None = None, *, start_kubelet: bool = True
+    plugin: PluginConfig | None = None,
+    *,
+    start_kubelet: bool = True,
+    timeouts: Timeouts = DEFAULT_TIMEOUTS,
+    kubelet: Callable[[Path], FakeKubelet] = FakeKubelet,
 ) -> AsyncIterator[PluginHarness]:
     with short_tmpdir() as root:
         backend = SimulatedBackend(preset=PRESET, node_name=NODE, health=FAST_HEALTH)
@@ -248,9 +194,9 @@ async def plugin_harness(
         ownership = OwnershipState(ownership_for(inventory))
         config_state = ConfigState(loaded(Config(plugin=plugin or PluginConfig())))
         cdi = FakeCdi()
-        kubelet = FakeKubelet(root / "device-plugins")
+        fake = kubelet(root / "device-plugins")
         if start_kubelet:
-            await kubelet.start()
+            await fake.start()
         manager = PluginManager(
             config_state=config_state,
             inventory=inventories,
@@ -259,8 +205,9 @@ async def plugin_harness(
             cdi=cdi,
             plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,  # retries in tens of milliseconds
+            timeouts=timeouts,
         )
-        harness = PluginHarness(root, backend, inventories, health, ownership, config_state, cdi, kubelet, manager)
+        harness = PluginHarness(root, backend, inventories, health, ownership, config_state, cdi, fake, manager)
         try:
             await harness.start()
             yield harness
@@ -268,7 +215,7 @@ async def plugin_harness(
             await harness.stop()
 
 
-async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 2.0) -> pb.ListAndWatchResponse:  # type: ignore[type-arg]
+async def next_message(call: grpc.aio.UnaryStreamCall, within_s: float = 10.0) -> pb.ListAndWatchResponse:  # type: ignore[type-arg]
     """The next ListAndWatch message; fails if the stream ends or stays silent."""
     message = await asyncio.wait_for(call.read(), within_s)
     assert message is not grpc.aio.EOF, "ListAndWatch ended"

@@ -159,6 +159,36 @@ async def test_preferred_allocation_on_nvlink_preset(env: Env) -> None:
     assert set(answer.device_i_ds) == {env.gpu(i) for i in (4, 5, 6, 7)}
 
 
+async def test_preferred_allocation_never_prefers_foreign_or_unhealthy_gpus(env: Env) -> None:
+    """The kubelet's available list can still hold a GPU handed to DRA or one that just failed:
+    the preference skips them, keeps what the kubelet must include, and never errors."""
+    env.ownership.update(ownership_for(env.inv, {env.gpu(4): Owner.DRA}, "2"))
+    env.health.observe(Signal(uuid=env.gpu(5), kind=SignalKind.INJECTED_FAULT))
+
+    async def prefer(available: list[int], must: list[int], size: int) -> set[str]:
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_device_i_ds=[env.gpu(i) for i in available],
+                    must_include_device_i_ds=[env.gpu(i) for i in must],
+                    allocation_size=size,
+                )
+            ]
+        )
+        (answer,) = (await env.stub.get_preferred_allocation(request)).container_responses
+        return set(answer.device_i_ds)
+
+    # GPUs 4 and 5 would be the NUMA-local partners of 6 and 7; the answer takes 6, 7 and two others
+    got = await prefer(list(range(8)), [6, 7], 4)
+    assert len(got) == 4 and {env.gpu(6), env.gpu(7)} <= got
+    assert not got & {env.gpu(4), env.gpu(5)}
+    # too few usable candidates: fewer IDs than asked (the kubelet fills the rest itself)
+    assert await prefer([4, 5, 6], [], 2) == {env.gpu(6)}
+    assert await prefer([4, 5], [], 1) == set()
+    # a must-include device stays in the answer: the kubelet already gave it to this container
+    assert await prefer([4, 5, 6], [5], 2) == {env.gpu(5), env.gpu(6)}
+
+
 async def test_preferred_allocation_replicas() -> None:
     config = PluginConfig(time_slicing=TimeSlicingConfig(replicas=2), replica_policy="pack")
     async for env in make_env(config):

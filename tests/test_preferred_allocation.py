@@ -243,6 +243,44 @@ def test_spread_prefers_the_least_used_gpu() -> None:
     assert choose(PCIE2, available, 1, gpu_of=replicas(PCIE2, 4)) == ["GPU-01::0"]
 
 
+@pytest.mark.parametrize(
+    ("inventory", "available", "size", "expected"),
+    [
+        # two GPUs, 4 and 2 IDs free: 3 IDs means one GPU gets two, and that is the less used one
+        (PCIE2, ["GPU-00::0", "GPU-00::1", "GPU-00::2", "GPU-00::3", "GPU-01::2", "GPU-01::3"], 3, [2, 1]),
+        # 4, 3, 2 and 4 free: the level is 2; the two units above level 1 go to GPUs 0 and 3
+        (PCIE4_NUMA, [f"GPU-{g:02d}::{r}" for g, n in enumerate((4, 3, 2, 4)) for r in range(n)], 6, [2, 1, 1, 2]),
+        # equally used GPUs: GPU order decides
+        (PCIE4_NUMA, [f"GPU-{g:02d}::{r}" for g in range(4) for r in range(3)], 6, [2, 2, 1, 1]),
+    ],
+)
+def test_spread_gives_the_remainder_to_the_least_used_gpus(
+    inventory: Inventory, available: list[str], size: int, expected: list[int]
+) -> None:
+    gpu_of = replicas(inventory, 4)
+    result = choose(inventory, available, size, gpu_of=gpu_of)
+    assert per_gpu(result, gpu_of) == {uuid(i): n for i, n in enumerate(expected)}
+
+
+@pytest.mark.parametrize(
+    ("available", "size", "must", "expected"),
+    [
+        # neither GPU holds 5 alone: the busier one (2 free) is filled up first, the rest from the other
+        (["GPU-00::0", "GPU-00::1", "GPU-00::2", "GPU-00::3", "GPU-01::0", "GPU-01::1"], 5, [], [3, 2]),
+        # a must-include GPU is filled first, even when it is the less used one
+        (["GPU-00::0", "GPU-00::1", "GPU-00::2", "GPU-00::3", "GPU-01::0", "GPU-01::1"], 5, ["GPU-00::3"], [4, 1]),
+        # equally used: GPU order decides
+        (["GPU-00::0", "GPU-00::1", "GPU-01::0", "GPU-01::1"], 3, [], [2, 1]),
+    ],
+)
+def test_pack_fills_the_busiest_gpu_first(
+    available: list[str], size: int, must: list[str], expected: list[int]
+) -> None:
+    gpu_of = replicas(PCIE2, 4)
+    result = choose(PCIE2, available, size, must, gpu_of=gpu_of, policy="pack")
+    assert per_gpu(result, gpu_of) == {uuid(i): n for i, n in enumerate(expected)}
+
+
 def test_spread_balances_around_a_nearly_full_gpu() -> None:
     gpu_of = replicas(PCIE4_NUMA, 4)
     available = ["GPU-00::2", *(d for d in sorted(gpu_of) if not d.startswith(uuid(0)))]
@@ -348,6 +386,26 @@ def test_replicas_are_valid_and_follow_the_policy(
         best_spread = max((k, -load, score) for k, load, score in options)
         got = (len(counts), -max(counts.values()), reference_score(inventory, list(counts)))
         assert got == best_spread
+    check_count_rule(policy, counts, avail, need)
+
+
+def check_count_rule(policy: ReplicaPolicy, counts: dict[str, int], avail: Counter[str], need: Counter[str]) -> None:
+    """How IDs are spread over the chosen GPUs (the module docstring's "Counts on the chosen S").
+
+    spread: no GPU holds a remainder unit (one above its forced minimum and one above another
+    GPU) while a less used GPU (more free IDs; GPU order on a tie) below it could have taken it.
+    pack: no GPU gets more than its must-include IDs while a GPU earlier in fill order (must-include
+    GPUs, then fewest free IDs, then GPU order) still has free IDs.
+    """
+    for a, b in combinations(sorted(counts), 2):
+        for g, h in ((a, b), (b, a)):
+            if policy == "spread":
+                less_used_first = (-avail[h], h) < (-avail[g], g)
+                took_remainder = counts[g] == counts[h] + 1 and counts[g] > max(need[g], 1)
+                assert not (less_used_first and took_remainder and counts[h] < avail[h]), (g, h, counts)
+            else:
+                fills_first = (need[g] == 0, avail[g], g) < (need[h] == 0, avail[h], h)
+                assert not (fills_first and counts[h] > need[h] and counts[g] < avail[g]), (g, h, counts)
 
 
 # 16 GPUs in four NVLink islands of four: past EXACT_MAX_CANDIDATES, the greedy search runs.
@@ -376,6 +434,63 @@ def test_large_node_requests_are_valid(data: st.DataObject, policy: ReplicaPolic
     must = data.draw(st.lists(st.sampled_from(available), unique=True, max_size=min(size, 3)))
     result = choose(ISLANDS16, available, size, must, gpu_of=gpu_of, policy=policy)
     check_invariants(result, available, must, size)
+
+
+# --- devices the plugin may not hand out now ---------------------------------------------
+
+
+def test_unusable_candidates_are_dropped() -> None:
+    everything = ids(*range(8))
+    # 0-1 would be the best pair (NVLink and one PCIe switch); GPU-01 is out, so the next such pair
+    assert preferred_allocation(
+        available=everything, must_include=[], size=2, gpu_of=whole(ISLANDS), inventory=ISLANDS,
+        usable=lambda d: d != uuid(1),
+    ) == ids(2, 3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("available", "must", "size", "unusable", "expected"),
+    [
+        (ids(0, 1), ids(1), 2, ids(1), ids(0, 1)),  # must-include is kept whatever its state
+        (ids(0, 1, 2), [], 3, ids(2), ids(0, 1)),  # too few usable: fewer than asked
+        (ids(0, 1, 2), ids(2), 3, ids(1, 2), ids(0, 2)),
+        (ids(0), [], 1, ids(0), []),  # nothing usable: an empty preference, not an error
+    ],
+)
+def test_too_few_usable_candidates_give_a_shorter_answer(
+    available: list[str], must: list[str], size: int, unusable: list[str], expected: list[str]
+) -> None:
+    result = preferred_allocation(
+        available=available,
+        must_include=must,
+        size=size,
+        gpu_of=whole(ISLANDS),
+        inventory=ISLANDS,
+        usable=lambda d: d not in unusable,
+    )
+    assert result == expected
+
+
+@PROPS
+@given(req=requests(per_gpu_max=4), policy=st.sampled_from(["pack", "spread"]), data=st.data())
+def test_unusable_devices_are_never_preferred(
+    req: tuple[Inventory, dict[str, str], list[str], list[str], int], policy: ReplicaPolicy, data: st.DataObject
+) -> None:
+    inventory, gpu_of, available, must, size = req
+    unusable = set(data.draw(st.lists(st.sampled_from(available), unique=True)))
+    result = preferred_allocation(
+        available=available,
+        must_include=must,
+        size=size,
+        gpu_of=gpu_of,
+        inventory=inventory,
+        replica_policy=policy,
+        usable=lambda d: d not in unusable,
+    )
+    usable_count = len([d for d in available if d not in unusable or d in must])
+    assert len(result) == min(size, usable_count)
+    assert set(must) <= set(result) <= set(available)
+    assert not (set(result) - set(must)) & unusable
 
 
 # --- errors ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ request                                           kind
 ================================================  ===================
 no container requests / a container with no IDs   INVALID_ARGUMENT
 the same ID twice in one container                INVALID_ARGUMENT
+the same ID in two containers of one request      INVALID_ARGUMENT
 an ID this resource never lists                   INVALID_ARGUMENT
 several replicas of one device, when the          INVALID_ARGUMENT
 time-slicing config refuses them
@@ -124,6 +125,12 @@ def unique_targets(devices: Sequence[PluginDevice]) -> list[PluginDevice]:
     return out
 
 
+def _shared_between_containers(requests: Sequence[Sequence[str]]) -> list[str]:
+    """IDs that appear in more than one container request, sorted (within one is resolve_ids' job)."""
+    containers = Counter(i for ids in requests for i in set(ids))
+    return sorted(i for i, n in containers.items() if n > 1)
+
+
 class Allocator:
     """Builds container allocations for one resource under one plugin config.
 
@@ -158,6 +165,14 @@ class Allocator:
         if not requests:
             raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"allocate {resource.name}: no container requests")
         resolved = [resolve_ids(resource, ids, ownership=ownership, health=health) for ids in requests]
+        shared = _shared_between_containers(requests)
+        if shared:
+            # one device cannot go to two containers (replicas have IDs of their own)
+            raise AllocationError(
+                ErrorKind.INVALID_ARGUMENT,
+                f"allocate {resource.name}: device IDs requested by more than one container {format_ids(shared)}",
+                tuple(shared),
+            )
         try:
             if self.uses_cdi:
                 await self._cdi.ensure_device_plugin_spec()

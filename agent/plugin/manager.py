@@ -5,13 +5,14 @@ the agent's TaskGroup. ``run`` serves until cancelled:
 
 * one :class:`PluginServer` per resource name that the plugin config and the inventory call
   for (:func:`plan_resources`). A change of the ``plugin`` config section or of the inventory
-  (the :class:`~agent.inventory.state.InventoryState` feed) re-plans them through one path, :meth:`_apply_plan`:
-  a config change replaces every server, an inventory change keeps each server whose resource
-  name stays (still registered; its ListAndWatch streams get the new list). Servers that go
-  stop and remove their sockets before new ones serve and Register;
-* the kubelet's ``device-plugins`` directory is watched (inotify, :mod:`agent.fswatch`): a new
-  ``kubelet.sock`` (new inode) restarts every server, and a server whose own socket file was
-  deleted or replaced restarts alone; each restart is stop -> serve -> Register;
+  (the :class:`~agent.inventory.state.InventoryState` feed) re-plans them through one path,
+  :meth:`_apply_plan`: each server whose resource name stays is kept (still registered; its
+  ListAndWatch streams get the new list), so no change but the kubelet's own ever registers a
+  resource twice. Servers that go stop and remove their sockets before new ones serve and Register;
+* the kubelet's ``device-plugins`` directory is watched (inotify, :mod:`agent.fswatch`). A batch
+  that names ``kubelet.sock``, a server's socket or RESCAN wakes the servers concerned, and each
+  looks at the state and does what it calls for (:mod:`agent.plugin.registration`): events are
+  hints, never counted, and ``kubelet.sock`` inode numbers are never compared;
 * health and ownership changes make every open ListAndWatch stream send the new list at once.
 """
 
@@ -35,6 +36,7 @@ from agent.inventory.state import InventoryState
 from agent.mechanism import Readiness, Usage
 from agent.ownership import OwnershipState
 from agent.plugin.cdinames import CdiNames
+from agent.plugin.link import KubeletLink
 from agent.plugin.metrics import PluginMetrics
 from agent.plugin.preferred import TopologyScorer
 from agent.plugin.resources import Resource, ResourcePlan, plan_resources
@@ -44,7 +46,6 @@ from agent.plugin.server import (
     KUBELET_SOCKET,
     PluginServer,
     Timeouts,
-    _inode,
 )
 from agent.plugin.service import ResourceService
 
@@ -99,7 +100,6 @@ class PluginManager:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         #: set when the plan may be stale (plugin config or inventory changed)
         self._replan = asyncio.Event()
-        self._kubelet_inode: int | None = None
         self._running = False
         self._watch_mode = ""
         #: directory-watch batches handled, and the names of the last one (debug, tests)
@@ -110,7 +110,7 @@ class PluginManager:
 
     @property
     def ready(self) -> bool:
-        """Every server serves and is registered (True with no servers when nothing to serve)."""
+        """The kubelet holds a ListAndWatch stream of every server (True with no servers)."""
         return self._running and all(s.registered for s in self._servers.values())
 
     @property
@@ -137,8 +137,10 @@ class PluginManager:
         if not present:
             # no kubelet (yet): nothing is wrong with the agent, and it registers the moment one appears
             return Readiness(True, f"waiting for the kubelet: no {self.kubelet_socket}")
-        errors = [s.last_error for s in self._servers.values() if s.last_error]
-        return Readiness(False, "device plugin not registered" + (f": {errors[0]}" if errors else ""))
+        waiting = [s for s in self._servers.values() if not s.registered]
+        errors = [s.last_error for s in waiting if s.last_error]
+        detail = errors[0] if errors else "the kubelet holds no ListAndWatch stream of ours"
+        return Readiness(False, f"device plugin not registered: {detail}")
 
     def advertised_gpus(self) -> frozenset[str]:
         """Physical GPUs some server currently lists to the kubelet."""
@@ -181,7 +183,6 @@ class PluginManager:
                 dir=str(self.plugin_dir),
                 error=exc.strerror or str(exc),
             )
-        self._kubelet_inode = _inode(self.kubelet_socket)
         try:
             # subscribed before the first plan, so no config or inventory change slips in between
             with (
@@ -213,14 +214,13 @@ class PluginManager:
         """Bring the servers in line with the current plugin config and the newest inventory.
 
         The one (re)build path, run at start and from the plan task only, so never twice at once.
-        A plugin-config change replaces every server: the config shapes each run's service. An
-        inventory change keeps the server of every resource name that stays, registered, and
-        hands it the new device list, inventory and scorer; only its open ListAndWatch streams
-        notice. Servers of resources that go stop (streams end, socket removed) before servers
-        of new resources are started, so a reused socket name is never served twice.
+        The server of every resource name that stays is kept, registered, and gets the new device
+        list, config, inventory and scorer; only its open ListAndWatch streams notice. (Stopping
+        it and registering the same resource again would race the kubelet's handling of the old
+        stream's end.) Servers of resources that go stop (streams end, socket removed) before
+        servers of new resources are started, so a reused socket name is never served twice.
         """
         config = self._config_state.config.plugin
-        config_changed = config != self._config
         inventory = self._inventories.current
         self._config, self._inventory = config, inventory
         if self._scorer.inventory is not inventory:
@@ -229,10 +229,10 @@ class PluginManager:
         for problem in self._plan.problems:
             log.warning("device plugin config cannot be fully honoured", problem=problem)
         wanted = {r.name: r for r in self._plan.resources}
-        stopped = [name for name in self._servers if config_changed or name not in wanted]
-        kept = [name for name in wanted if name in self._servers and name not in stopped]
+        stopped = [name for name in self._servers if name not in wanted]
+        kept = [name for name in wanted if name in self._servers]
         for name in kept:  # before any await: a kept server never restarts with a stale resource
-            self._servers[name].update(wanted[name], inventory=inventory, scorer=self._scorer)
+            self._servers[name].update(wanted[name], config=config, inventory=inventory, scorer=self._scorer)
         await self._stop_servers(stopped)
         started = [name for name in wanted if name not in self._servers]
         for name in started:
@@ -262,9 +262,10 @@ class PluginManager:
         if tasks:
             await asyncio.wait(tasks)
 
-    def _make_service(self, resource: Resource) -> ResourceService:
+    def _make_service(self, resource: Resource, link: KubeletLink) -> ResourceService:
         return ResourceService(
             resource=resource,
+            link=link,
             config=self._config,
             inventory=self._inventory,
             ownership=self._ownership,
@@ -280,35 +281,20 @@ class PluginManager:
             self.on_files_changed(names)
 
     def on_files_changed(self, names: set[str]) -> None:
-        """React to a watcher batch; :data:`~agent.fswatch.RESCAN` in it means any name may have
-        changed, so every socket is looked at as if it had been named."""
+        """A watcher batch: wake the servers it may concern. :data:`~agent.fswatch.RESCAN` in it
+        means any name may have changed, so every server looks."""
         self.watch_batches += 1
         self.last_watch_names = frozenset(names)
-        rescan = RESCAN in names
-
-        def touched(name: str) -> bool:
-            return rescan or name in names
-
-        if touched(KUBELET_SOCKET):
-            inode = _inode(self.kubelet_socket)
-            if inode is not None and inode != self._kubelet_inode:
-                # servers that already registered with this kubelet (they restarted for their
-                # own deleted socket a moment ago) are left alone
-                stale = [s for s in self._servers.values() if not (s.registered and s.kubelet_inode == inode)]
-                log.info("kubelet.sock (re)created: re-registering", resources=[s.resource.name for s in stale])
-                for server in stale:
-                    server.restart("kubelet.sock re-created")
-            self._kubelet_inode = inode
+        everyone = RESCAN in names or KUBELET_SOCKET in names
         for server in self._servers.values():
-            if touched(server.socket_path.name) and server.socket_lost():
-                log.warning("device plugin socket was deleted", socket=str(server.socket_path))
-                server.restart("own socket deleted")
+            if everyone or server.socket_path.name in names:
+                server.wake()
 
     async def _watch_config(self, changes: Subscription[LoadedConfig]) -> None:
         while True:
             loaded = await changes.get()
             if loaded.config.plugin != self._config:
-                log.info("device plugin config changed, rebuilding servers")
+                log.info("device plugin config changed, re-planning resources")
                 self._replan.set()
 
     async def _watch_inventory(self, changes: Subscription[Inventory]) -> None:

@@ -30,7 +30,7 @@ class PluginMetrics:
         )
         self.registered = Gauge(
             "gpu_agent_plugin_registered",
-            "1 while the resource is registered with the kubelet",
+            "1 while the kubelet holds a ListAndWatch stream of the resource (registered)",
             ["resource"],
             registry=registry,
         )

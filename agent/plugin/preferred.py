@@ -5,6 +5,15 @@ returned IDs into the response; nothing here imports grpclib or the generated pr
 kubelet treats the answer as advice, but an error fails pod admission, so only malformed
 requests raise (:class:`AllocationError`, ``INVALID_ARGUMENT``).
 
+Candidates the plugin may not hand out now. The kubelet's available list is its own snapshot: a
+GPU handed to DRA or an Xid that landed since can still be in it. Such devices (``usable`` says
+no) are dropped from the candidates before choosing, so the answer never prefers them; it then
+holds fewer than ``size`` IDs when too few usable ones are left, which the kubelet accepts (it
+fills a shortfall itself). Must-include IDs are kept whatever ``usable`` says: the kubelet has
+already given them to this container (an init container's devices), a preference cannot take
+them back, and an RPC error would fail admission over advice. Allocate is the gate that refuses
+an unusable device (``FAILED_PRECONDITION``).
+
 Model. Every device ID (a whole GPU, a MIG device, or a time-slicing replica such as
 ``<uuid>::3``) belongs to one physical GPU (``gpu_of``). Choosing ``size`` IDs is reduced to
 choosing a set S of physical GPUs plus a count per GPU; the IDs within a GPU are its
@@ -18,6 +27,14 @@ must-include IDs):
   used GPUs stay whole); GPU order.
 - ``spread``: most GPUs; lowest maximum count on any one GPU (balance); best topology score;
   most available IDs on S (least used GPUs); GPU order.
+
+Counts on the chosen S:
+
+- ``spread``: every GPU of S gets at least one ID (its must-include IDs at least), counts rise
+  evenly to the lowest level that holds ``size``, and the remainder below that level goes to
+  the least used GPUs first (most available IDs; then GPU order).
+- ``pack``: the must-include GPUs are filled first, then the other GPUs in order of fewest
+  available IDs (the busiest GPU is filled up before a less used one is touched; then GPU order).
 
 For whole GPUs (one ID per GPU) both policies reduce to "the best-scoring set of ``size`` GPUs".
 
@@ -37,7 +54,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from math import comb
@@ -113,20 +130,25 @@ def preferred_allocation(
     inventory: Inventory,
     replica_policy: ReplicaPolicy = "spread",
     scorer: TopologyScorer | None = None,
+    usable: Callable[[str], bool] = lambda _: True,
 ) -> list[str]:
-    """The ``size`` device IDs to prefer, natural-sorted.
+    """The ``size`` device IDs to prefer (fewer when too few are usable), natural-sorted.
 
     ``gpu_of`` maps every device ID to its physical GPU's UUID (a GPU to itself, a MIG device to
     its parent, a replica to the GPU it shares). ``scorer``, when built for ``inventory``, saves
-    recomputing the pair scores. Raises :class:`AllocationError` (``INVALID_ARGUMENT``) for a
-    malformed request; never for a well-formed one.
+    recomputing the pair scores. ``usable`` says whether a device may be handed out now; see the
+    module docstring for what happens to those it refuses. Raises :class:`AllocationError`
+    (``INVALID_ARGUMENT``) for a malformed request; never for a well-formed one.
     """
     _validate(available, must_include, size, gpu_of)
+    must = set(must_include)
+    candidates = [d for d in available if d in must or usable(d)]
+    size = min(size, len(candidates))
     if scorer is None or scorer.inventory is not inventory:
         scorer = TopologyScorer(inventory)
-    if size == len(available):
-        return sorted(available, key=natural_key)
-    problem = _Problem.build(available, must_include, size, gpu_of, scorer)
+    if size == len(candidates):
+        return sorted(candidates, key=natural_key)
+    problem = _Problem.build(candidates, must_include, size, gpu_of, scorer)
     chosen = problem.best_set(replica_policy)
     counts = problem.spread_counts(chosen) if replica_policy == "spread" else problem.pack_counts(chosen)
     picked = [dev for i, count in zip(chosen, counts, strict=True) for dev in problem.ids[i][:count]]

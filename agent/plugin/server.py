@@ -1,27 +1,29 @@
-"""One resource's device-plugin server: serve on its socket, prove it answers, Register.
+"""One resource's device-plugin server: serve on its socket, Register, stay registered.
 
-Lifecycle (:meth:`PluginServer.run`, until cancelled), one *run* at a time:
+:meth:`PluginServer.run` (until cancelled) is a reconcile loop. Each pass observes the state —
+is this run serving, is its socket file still there, does the kubelet hold a ListAndWatch stream
+of this run (:class:`~agent.plugin.link.KubeletLink`), did the latest Register get its stream —
+and takes the one step :func:`~agent.plugin.registration.decide` names: at most one
+stop -> serve -> Register. Then it sleeps until a wake-up (:meth:`PluginServer.wake`: the
+manager's directory events, a stream of this run opening or ending) or a timer of its own
+(a retry's backoff, the bound on the kubelet opening its stream).
 
-1. build a fresh :class:`ResourceService` (new change feed, new streams) and serve it on
-   ``<device-plugins>/<socket>`` (stale file removed first);
-2. dial the socket and call GetDevicePluginOptions (NVIDIA does the same) so the kubelet
-   never gets an endpoint that does not answer;
-3. call ``Registration/Register`` on ``kubelet.sock``; failures are retried with backoff and
-   shown in :meth:`PluginServer.debug_state`. The kubelet calls GetDevicePluginOptions on us
-   from inside its Register handler, which works because the server runs on this loop;
-4. wait for :meth:`restart` (kubelet restarted, our socket deleted) or cancellation, then
-   stop: end this run's ListAndWatch streams, close the server, remove the socket file.
+Events are hints, never counted: a wake-up is followed by a short settle (``settle_s`` without
+another wake-up, ``settle_max_s`` at most), so a kubelet restart's two filesystem events a few
+milliseconds apart, or everything that queued while the agent was paused, make one pass that
+sees where things ended up.
 
-Restart is stop -> serve -> Register, in that order: the kubelet marks a resource's *current*
-endpoint unhealthy when an old ListAndWatch stream ends, so old streams end before the new
-registration exists.
+A run (:class:`~agent.plugin.run.ServerRun`) serves a fresh service on
+``<device-plugins>/<socket>``; then ``Registration/Register`` goes to ``kubelet.sock``. The
+kubelet calls GetDevicePluginOptions on us from inside its Register handler, which works
+because the server runs on this loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,13 +33,15 @@ from grpclib.client import Channel
 
 from agent._proto.deviceplugin import v1beta1 as pb
 from agent.backoff import Backoff
+from agent.config.schema import PluginConfig
 from agent.inventory.model import Inventory
+from agent.plugin.link import KubeletLink
 from agent.plugin.metrics import PluginMetrics
 from agent.plugin.preferred import TopologyScorer
+from agent.plugin.registration import Action, Observation, Step, decide
 from agent.plugin.resources import DeviceState, Resource
+from agent.plugin.run import ServerRun
 from agent.plugin.service import ResourceService
-from agent.plugin.servicer import DevicePluginServicer
-from agent.sockets import UnixGrpcServer
 
 log = structlog.get_logger("agent.plugin")
 
@@ -50,19 +54,26 @@ class Timeouts:
     self_check_s: float = 5.0
     register_s: float = 10.0  # the kubelet itself dials us with a 10 s limit inside Register
     # how long a stopping run waits for its streams to end before cancelling them (a client
-    # that stopped reading); kept short so a kubelet restart re-registers well within 1 s
+    # that stopped reading); kept short so a restart is quick
     stream_drain_s: float = 0.25
+    #: how long the kubelet may take after accepting Register to open ListAndWatch (it starts
+    #: the stream at once; seconds mean a kubelet in trouble) before we register again
+    stream_open_s: float = 5.0
+    #: quiet time that ends a burst of wake-ups: a kubelet restart's socket wipe and new
+    #: kubelet.sock, ms apart, or everything that queued while the agent was paused
+    settle_s: float = 0.05
+    #: longest a steady stream of wake-ups may hold a pass back
+    settle_max_s: float = 1.0
 
 
 DEFAULT_BACKOFF = Backoff(initial_s=0.2)
 DEFAULT_TIMEOUTS = Timeouts()
 
+MakeService = Callable[[Resource, KubeletLink], ResourceService]
 
-def _inode(path: Path) -> int | None:
-    try:
-        return os.stat(path).st_ino
-    except OSError:
-        return None
+
+#: listeners one run may add while a Register is in flight (see PluginServer._await_register)
+MAX_RELISTENS = 3
 
 
 class PluginServer:
@@ -70,11 +81,12 @@ class PluginServer:
         self,
         *,
         resource: Resource,
-        make_service: Callable[[Resource], ResourceService],
+        make_service: MakeService,
         plugin_dir: Path,
         metrics: PluginMetrics,
         backoff: Backoff = DEFAULT_BACKOFF,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.resource = resource
         self.socket_path = plugin_dir / resource.socket_name
@@ -83,204 +95,318 @@ class PluginServer:
         self._metrics = metrics
         self._backoff = backoff
         self._timeouts = timeouts
-        self._restart = asyncio.Event()
-        self._restart_reason = ""
-        self._server: UnixGrpcServer | None = None
-        self._servicer: DevicePluginServicer | None = None
-        self.service: ResourceService | None = None
-        self.registered = False
+        self._clock = clock
+        self._run: ServerRun | None = None
+        self._wake = asyncio.Event()
+        self._retry_at: float | None = None
+        self._stream_deadline: float | None = None
+        self._start_failures = 0
+        self._register_failures = 0
+        self._unanswered = 0  # accepted Registers in a row whose stream never came
+        self._waiting = False
         self.last_error = ""
-        self.attempts = 0  # Register calls in the current run
-        self.registrations = 0  # successful Register calls since start
-        #: inode of the kubelet.sock the current registration went to (None: not registered)
-        self.kubelet_inode: int | None = None
+        self.last_restart_reason = ""
+        self.attempts = 0  # Register calls since the last accepted one
+        self.registrations = 0  # accepted Register calls since start
         self.runs = 0
+        self.passes = 0
 
     # --- what the manager calls ---------------------------------------------------------
 
     @property
+    def service(self) -> ResourceService | None:
+        return self._run.service if self._run is not None else None
+
+    @property
     def serving(self) -> bool:
-        return self._server is not None and self._server.serving
+        return self._run is not None and self._run.serving
+
+    @property
+    def registered(self) -> bool:
+        """The kubelet holds a ListAndWatch stream of the current run."""
+        return self._run is not None and self._run.link.kubelet_stream_open
 
     @property
     def open_streams(self) -> int:
-        return len(self._servicer.streams) if self._servicer else 0
+        return self._run.link.open_streams if self._run is not None else 0
 
-    def socket_lost(self) -> bool:
-        """True when this server listens but its socket file is gone or replaced."""
-        return self._server is not None and self._server.serving and not self._server.socket_present()
+    @property
+    def quiet(self) -> bool:
+        """Waiting for a wake-up with none pending (tests wait for this before looking)."""
+        return self._waiting and not self._wake.is_set()
 
-    def restart(self, reason: str) -> None:
-        """Ask for stop -> serve -> Register; repeated requests before it happens coalesce."""
-        if not self._restart.is_set():
-            self._restart_reason = reason
-            self._restart.set()
+    def wake(self) -> None:
+        """Something may have changed (a hint): look again, once things settle.
 
-    def update(self, resource: Resource, *, inventory: Inventory, scorer: TopologyScorer) -> None:
-        """Adopt a re-planned resource of the same name in place (the inventory changed).
+        A pending retry is due at once: what woke us (a new kubelet.sock) may be what it waited
+        for. The bound on the kubelet's stream is kept: registering again early is the double
+        registration this design avoids.
+        """
+        self._retry_at = None
+        self._wake.set()
+
+    def update(self, resource: Resource, *, config: PluginConfig, inventory: Inventory, scorer: TopologyScorer) -> None:
+        """Adopt a re-planned resource of the same name in place (inventory or plugin config changed).
 
         Called by the manager on the loop thread. No restart and no new Register: the current
-        run's service switches to ``resource`` and ``inventory`` and its open ListAndWatch
-        streams send the new list; a later run gets them from ``make_service``.
+        run's service switches to ``resource``, ``config`` and ``inventory`` and its open
+        ListAndWatch streams send the new list; a later run gets them from ``make_service``.
         """
         if resource.name != self.resource.name:
             raise ValueError(f"server for {self.resource.name} cannot serve {resource.name}")
         self.resource = resource
-        if self.service is not None:
-            self.service.update(resource=resource, inventory=inventory, scorer=scorer)
+        if self._run is not None:
+            self._run.service.update(resource=resource, config=config, inventory=inventory, scorer=scorer)
             self._update_device_gauge()
 
     def notify(self) -> None:
         """The device list may have changed: open ListAndWatch streams send it again."""
-        if self.service is not None:
-            self.service.notify()
+        if self._run is not None:
+            self._run.service.notify()
             self._update_device_gauge()
 
     def advertised(self) -> list[DeviceState]:
         """The devices this server offers the kubelet now (none while it is not serving)."""
-        return self.service.devices() if self.service is not None and self.serving else []
+        return self._run.service.devices() if self._run is not None and self.serving else []
 
     def debug_state(self) -> dict[str, object]:
-        devices = self.service.devices() if self.service else []
+        run = self._run
+        devices = run.service.devices() if run is not None else []
+        link = run.link.debug_state() if run is not None else KubeletLink().debug_state()
         return {
             "socket": str(self.socket_path),
             "serving": self.serving,
-            "registered": self.registered,
-            "last_register_error": self.last_error,
-            "register_attempts": self.attempts,
+            "socket_present": run is not None and run.socket_present(),
+            **link,
             "registrations": self.registrations,
+            "register_attempts": self.attempts,
+            "last_register_error": self.last_error,
+            "last_restart_reason": self.last_restart_reason,
             "runs": self.runs,
             "device_count": len(devices),
             "healthy_count": sum(1 for d in devices if d.healthy),
             "open_streams": self.open_streams,
+            "reconcile_passes": self.passes,
         }
 
     # --- the loop -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        bound = structlog.contextvars.bound_contextvars(resource=self.resource.name)
-        with bound:
+        with structlog.contextvars.bound_contextvars(resource=self.resource.name):
             try:
                 while True:
-                    self._restart.clear()
-                    if await self._start() and await self._register():
-                        await self._restart.wait()
-                    log.info("restarting device plugin server", reason=self._restart_reason)
-                    await self._stop()
+                    self.passes += 1
+                    step = decide(self._observe())
+                    until = await self._take(step)
+                    await self._sleep(until)
             finally:
                 await self._stop()
-                # gone for good (resource vanished, config rebuild, shutdown): advertises nothing
+                # gone for good (resource vanished, plugin off, shutdown): advertises nothing
                 for health in ("Healthy", "Unhealthy"):
                     self._metrics.devices.labels(self.resource.name, health).set(0)
 
-    async def _start(self) -> bool:
-        """Serve and self-check, retrying with backoff; False if a restart interrupted it."""
-        failures = 0
-        while True:
-            self.runs += 1
-            self.service = self._make_service(self.resource)
-            self._servicer = DevicePluginServicer(self.service, observe=self._observe_rpc)
-            self._server = UnixGrpcServer(self.socket_path, [self._servicer])
-            try:
-                await self._server.start()
-                await self._self_check()
-            except Exception as exc:  # StartupError, a self-check that fails or times out
-                failures += 1
-                self.last_error = f"serve on {self.socket_path}: {exc}"
-                log.warning("device plugin server failed to start", error=self.last_error, attempt=failures)
-                await self._stop()
-                if await self._wait_restart(self._backoff.delay(failures)):
-                    return False
-                continue
-            log.info("serving device plugin", socket=str(self.socket_path), devices=len(self.service.devices()))
-            self._update_device_gauge()
-            return True
+    def _observe(self) -> Observation:
+        run = self._run
+        return Observation(
+            now=self._clock(),
+            serving=self.serving,
+            socket_present=run is not None and run.socket_present(),
+            kubelet_stream_open=run is not None and run.link.kubelet_stream_open,
+            accepted=run is not None and run.link.accepted,
+            stream_seen=run is not None and run.link.stream_seen,
+            stream_deadline=self._stream_deadline,
+            retry_at=self._retry_at,
+        )
 
-    async def _self_check(self) -> None:
-        channel = Channel(path=str(self.socket_path))
+    async def _take(self, step: Step) -> float | None:
+        """Do ``step``; returns when to look again without a wake-up (None: only on one)."""
+        if step.action is Action.IDLE:
+            self._unanswered = 0
+            return None
+        if step.action is Action.WAIT:
+            return step.until
+        if step.action is Action.RESTART:
+            self.last_restart_reason = step.reason
+            log.info("restarting device plugin server", reason=step.reason)
+            await self._stop()
+        if step.action in (Action.START, Action.RESTART):
+            if not await self._start():
+                return self._retry_at
+        else:
+            self.last_restart_reason = step.reason
+            log.info("registering with the kubelet again", reason=step.reason)
+        await self._register()
+        return self._retry_at if self._retry_at is not None else self._stream_deadline
+
+    async def _sleep(self, until: float | None) -> None:
+        """Until a wake-up has settled, or ``until`` (monotonic) passes with none."""
+        timeout = None if until is None else max(0.0, until - self._clock())
+        self._waiting = True
         try:
-            await pb.DevicePluginStub(channel).get_device_plugin_options(
-                pb.Empty(), timeout=self._timeouts.self_check_s
-            )
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
         finally:
-            channel.close()
+            self._waiting = False
+        if not self._wake.is_set():
+            return
+        settle_until = self._clock() + self._timeouts.settle_max_s
+        while True:
+            self._wake.clear()
+            quiet = min(self._timeouts.settle_s, settle_until - self._clock())
+            if quiet <= 0:
+                return
+            try:
+                async with asyncio.timeout(quiet):
+                    await self._wake.wait()
+            except TimeoutError:
+                return
 
-    async def _register(self) -> bool:
-        """Register until the kubelet accepts; False if a restart interrupted it."""
+    async def _start(self) -> bool:
+        """Serve a new run and self-check it; on failure schedule a retry and return False."""
+        self.runs += 1
+        service = self._make_service(self.resource, KubeletLink(on_change=self._on_link_change))
+        self._run = ServerRun(self.socket_path, service, observe=self._observe_rpc)
+        try:
+            await self._run.start(self_check_s=self._timeouts.self_check_s)
+        except Exception as exc:  # StartupError, a self-check that fails or times out
+            self._start_failures += 1
+            self.last_error = f"serve on {self.socket_path}: {exc}"
+            delay = self._backoff.delay(self._start_failures)
+            log.warning(
+                "device plugin server failed to start",
+                error=self.last_error,
+                attempt=self._start_failures,
+                retry_in_s=round(delay, 3),
+            )
+            await self._stop()
+            self._retry_at = self._clock() + delay
+            return False
+        self._start_failures = 0
         self.attempts = 0
-        options = self.service.options if self.service else None
+        log.info("serving device plugin", socket=str(self.socket_path), devices=len(service.devices()))
+        self._update_device_gauge()
+        return True
+
+    async def _register(self) -> None:
+        """One Register call; success starts the wait for the kubelet's stream, failure a backoff."""
+        run = self._run
+        assert run is not None
+        if not run.socket_present():
+            # never send the kubelet to a path that is not ours: it would dial (and wait for) a
+            # file our next run creates, and register that run behind our back
+            self._wake.set()
+            return
+        options = run.service.options
         request = pb.RegisterRequest(
             version=API_VERSION,
             endpoint=self.socket_path.name,
             resource_name=self.resource.name,
             options=pb.DevicePluginOptions(
-                pre_start_required=bool(options and options.pre_start_required),
-                get_preferred_allocation_available=bool(options and options.get_preferred_allocation_available),
+                pre_start_required=options.pre_start_required,
+                get_preferred_allocation_available=options.get_preferred_allocation_available,
             ),
         )
-        while True:
-            self.attempts += 1
-            inode = _inode(self.kubelet_socket)
-            channel = Channel(path=str(self.kubelet_socket))
-            try:
-                await pb.RegistrationStub(channel).register(request, timeout=self._timeouts.register_s)
-            except Exception as exc:  # grpc status, no socket, refused, timeout: all retried
-                self.last_error = f"Register with {self.kubelet_socket}: {type(exc).__name__}: {exc}"
-                self._metrics.registrations.labels(self.resource.name, "error").inc()
-                delay = self._backoff.delay(self.attempts)
-                log.warning(
-                    "registration with the kubelet failed",
-                    error=self.last_error,
-                    attempt=self.attempts,
-                    retry_in_s=round(delay, 3),
-                )
-            else:
-                self.registered = True
-                self.kubelet_inode = inode
-                self.registrations += 1
-                self.last_error = ""
-                self._metrics.registrations.labels(self.resource.name, "ok").inc()
-                self._metrics.registered.labels(self.resource.name).set(1)
-                log.info("registered with the kubelet", endpoint=request.endpoint, attempts=self.attempts)
-                return True
-            finally:
-                channel.close()
-            if await self._wait_restart(delay):
-                return False
+        self.attempts += 1
+        run.link.register_started()
+        channel = Channel(path=str(self.kubelet_socket))
+        try:
+            call = asyncio.ensure_future(
+                pb.RegistrationStub(channel).register(request, timeout=self._timeouts.register_s)
+            )
+            await self._await_register(call, run)
+        except Exception as exc:  # grpc status, no socket, refused, timeout: all retried
+            run.link.register_finished(accepted=False)
+            self._register_failures += 1
+            self.last_error = f"Register with {self.kubelet_socket}: {type(exc).__name__}: {exc}"
+            self._metrics.registrations.labels(self.resource.name, "error").inc()
+            delay = self._backoff.delay(self._register_failures)
+            self._retry_at = self._clock() + delay
+            self._stream_deadline = None
+            log.warning(
+                "registration with the kubelet failed",
+                error=self.last_error,
+                attempt=self.attempts,
+                retry_in_s=round(delay, 3),
+            )
+        else:
+            run.link.register_finished(accepted=True)
+            self._register_failures = 0
+            self.registrations += 1
+            self.last_error = ""
+            self._metrics.registrations.labels(self.resource.name, "ok").inc()
+            log.info("registered with the kubelet", endpoint=request.endpoint, attempts=self.attempts)
+            self.attempts = 0
+            # a kubelet that accepts but never opens the stream is asked again, ever more slowly
+            self._unanswered += 1
+            extra = self._backoff.delay(self._unanswered - 1) if self._unanswered > 1 else 0.0
+            self._stream_deadline = self._clock() + self._timeouts.stream_open_s + extra
+            self._retry_at = None
+        finally:
+            channel.close()
 
-    async def _wait_restart(self, delay: float) -> bool:
-        """Sleep ``delay`` seconds unless a restart is requested first (then True)."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(delay):
-                await self._restart.wait()
-        return self._restart.is_set()
+    async def _await_register(self, call: asyncio.Future[pb.Empty], run: ServerRun) -> None:
+        """Wait for our Register call, keeping a listener at our path meanwhile.
+
+        Inside Register the kubelet dials our socket and waits for it to accept (grpc.WithBlock,
+        up to 10 s). If our socket file is removed meanwhile (a kubelet that makes kubelet.sock
+        before it wipes the directory), that dial waits for the path to come back: this run
+        listens there again, so the dial reaches the run the registration belongs to. A later
+        run would otherwise be registered by that late dial and then register itself: twice.
+        """
+        woken = False
+        relistens = 0
+        try:
+            while not call.done():
+                wake = asyncio.ensure_future(self._wake.wait())
+                try:
+                    await asyncio.wait({call, wake}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    wake.cancel()
+                if not self._wake.is_set():
+                    continue
+                self._wake.clear()
+                woken = True
+                if not run.socket_present() and relistens < MAX_RELISTENS:
+                    relistens += 1
+                    await self._relisten(run)
+            call.result()
+        finally:
+            call.cancel()
+            if woken:  # what woke us is looked at by the next pass
+                self._wake.set()
+
+    async def _relisten(self, run: ServerRun) -> None:
+        try:
+            await run.relisten()
+        except Exception as exc:  # the next pass restarts the run if the file stays missing
+            log.warning("cannot listen again during Register", socket=str(self.socket_path), error=str(exc))
+            return
+        log.info("socket removed while registering: listening again", socket=str(self.socket_path))
+
+    def _on_link_change(self) -> None:
+        """A kubelet stream of the current run opened or ended."""
+        self._metrics.registered.labels(self.resource.name).set(1 if self.registered else 0)
+        if self.registered:
+            self._unanswered = 0
+            self.last_error = ""
+        self.wake()
 
     async def _stop(self) -> None:
-        """End this run's streams, then close the server. Idempotent."""
-        self.registered = False
-        self.kubelet_inode = None
+        """End the current run (streams first, then its listeners). Idempotent."""
+        run, self._run = self._run, None
+        self._stream_deadline = None
         self._metrics.registered.labels(self.resource.name).set(0)
-        server, servicer, service = self._server, self._servicer, self.service
-        self._server = None
-        if service is not None:
-            service.stop_streams()
-        try:
-            if servicer is not None and servicer.streams:
-                # streams return after their current send; one whose client stopped reading is
-                # cancelled by the server close below
-                await asyncio.wait(set(servicer.streams), timeout=self._timeouts.stream_drain_s)
-        finally:
-            # even when cancelled while draining: this run's listener must not outlive it
-            if server is not None:
-                await server.close()
+        if run is not None:
+            await run.stop(drain_s=self._timeouts.stream_drain_s)
 
     def _observe_rpc(self, method: str, result: str, seconds: float) -> None:
         self._metrics.rpc_seconds.labels(self.resource.name, method, result).observe(seconds)
 
     def _update_device_gauge(self) -> None:
-        if self.service is None:
+        if self._run is None:
             return
-        devices = self.service.devices()
+        devices = self._run.service.devices()
         healthy = sum(1 for d in devices if d.healthy)
         self._metrics.devices.labels(self.resource.name, "Healthy").set(healthy)
         self._metrics.devices.labels(self.resource.name, "Unhealthy").set(len(devices) - healthy)

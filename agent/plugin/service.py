@@ -1,23 +1,25 @@
 """One resource's device-plugin behaviour, free of gRPC: what the servicer calls.
 
 A :class:`ResourceService` lives as long as one server run (a restart builds a new one), so
-its ``changed`` feed and ``stopping`` flag are per run: stopping a run ends exactly that run's
-ListAndWatch streams. An inventory change that keeps the resource name swaps the resource,
-inventory and scorer in place (:meth:`ResourceService.update`) instead.
+its ``changed`` feed, ``stopping`` flag and kubelet ``link`` are per run: stopping a run ends
+exactly that run's ListAndWatch streams. An inventory or plugin-config change that keeps the
+resource name swaps the resource, config, inventory and scorer in place
+(:meth:`ResourceService.update`) instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from agent.config.schema import PluginConfig
+from agent.config.schema import Owner, PluginConfig
 from agent.events import Broadcast
 from agent.inventory.model import Inventory
 from agent.ownership import OwnershipState
 from agent.plugin.allocate import Allocator, ContainerAllocation, resolve_ids
 from agent.plugin.cdinames import CdiNames
 from agent.plugin.errors import AllocationError, ErrorKind
+from agent.plugin.link import KubeletLink
 from agent.plugin.preferred import TopologyScorer, preferred_allocation
 from agent.plugin.resources import DeviceState, HealthLookup, Resource, advertised
 
@@ -46,13 +48,17 @@ class ResourceService:
         health: HealthLookup,
         cdi: CdiNames,
         scorer: TopologyScorer | None = None,
+        link: KubeletLink | None = None,
     ) -> None:
         self.resource = resource
         self.options = Options()
+        #: the kubelet's hold on this run (registration state), fed by the servicer
+        self.link = link or KubeletLink()
         self._config = config
         self._inventory = inventory
         self._ownership = ownership
         self._health = health
+        self._cdi = cdi
         self._allocator = Allocator(config=config, cdi=cdi)
         self._scorer = scorer or TopologyScorer(inventory)
         #: "the device list may have changed"; one pending item per stream is enough
@@ -68,8 +74,9 @@ class ResourceService:
         """Tell every open ListAndWatch stream to send the current list."""
         self.changed.publish(None)
 
-    def update(self, *, resource: Resource, inventory: Inventory, scorer: TopologyScorer) -> None:
-        """Serve a re-planned ``resource`` (same name) for ``inventory``; open streams resend.
+    def update(self, *, resource: Resource, config: PluginConfig, inventory: Inventory, scorer: TopologyScorer) -> None:
+        """Serve a re-planned ``resource`` (same name) under ``config`` for ``inventory``; open
+        streams resend.
 
         Loop thread only. A request already past its ID checks finishes against the resource
         it started with; the next one sees the new device list (a GPU that went is then an
@@ -78,9 +85,23 @@ class ResourceService:
         if resource.name != self.resource.name:
             raise ValueError(f"service for {self.resource.name} cannot serve {resource.name}")
         self.resource = resource
+        if config != self._config:
+            self._config = config
+            self._allocator = Allocator(config=config, cdi=self._cdi)
         self._inventory = inventory
         self._scorer = scorer
         self.notify()
+
+    # --- who is on the other end (the servicer reports, the link decides) --------------
+
+    def options_requested(self, connection: Hashable) -> None:
+        self.link.options_requested(connection)
+
+    def stream_opened(self, connection: Hashable) -> int:
+        return self.link.stream_opened(connection)
+
+    def stream_closed(self, token: int) -> None:
+        self.link.stream_closed(token)
 
     def stop_streams(self) -> None:
         """End every ListAndWatch stream of this run (each returns after its current send)."""
@@ -116,6 +137,13 @@ class ResourceService:
                 inventory=self._inventory,
                 replica_policy=self._config.replica_policy,
                 scorer=self._scorer,
+                usable=self._usable,
             )
             for r in requests
         ]
+
+    def _usable(self, device_id: str) -> bool:
+        """Whether a listed device may be handed out now (called for known IDs only)."""
+        device = self.resource.by_id[device_id]
+        granted = self._ownership.current.granted_to(device.gpu_uuid, Owner.DEVICE_PLUGIN)
+        return granted and self._health.is_healthy(device.target_uuid)

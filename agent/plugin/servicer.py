@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -65,6 +65,18 @@ def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateR
     )
 
 
+def connection_of(stream: Stream[Any, Any]) -> Hashable:
+    """The HTTP/2 connection a request came on, as an identity key (its transport).
+
+    The kubelet is recognised by the connection it used inside Register (:mod:`agent.plugin.link`).
+    grpclib 0.4 keeps the transport in the peer object, unexported; should a release drop it,
+    every connection reads as one (any stream during or after Register then counts as the
+    kubelet's), which degrades recognition but never breaks an RPC.
+    """
+    transport: Hashable = getattr(stream.peer, "_transport", None)
+    return transport
+
+
 class DevicePluginServicer:
     """Serves one :class:`ResourceService` (one resource, one server run)."""
 
@@ -107,6 +119,8 @@ class DevicePluginServicer:
     # --- handlers ----------------------------------------------------------------------
 
     async def get_device_plugin_options(self, stream: Stream[pb.Empty, pb.DevicePluginOptions]) -> None:
+        self.service.options_requested(connection_of(stream))
+
         async def handle(_: pb.Empty) -> pb.DevicePluginOptions:
             options = self.service.options
             return pb.DevicePluginOptions(
@@ -127,6 +141,7 @@ class DevicePluginServicer:
         task = asyncio.current_task()
         assert task is not None
         self.streams.add(task)
+        token = service.stream_opened(connection_of(stream))
         try:
             with (
                 structlog.contextvars.bound_contextvars(
@@ -146,6 +161,7 @@ class DevicePluginServicer:
                 log.info("ListAndWatch stream ended: server stopping")
         finally:
             self.streams.discard(task)
+            service.stream_closed(token)
 
     async def get_preferred_allocation(
         self, stream: Stream[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse]
