@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from agent import __version__
 from agent.cdi.service import CdiProvider, create_cdi_service
 from agent.config.loader import LoadedConfig, load_config, parse_host_port
+from agent.config.plan import plan_rows
 from agent.config.schema import Config, OwnershipConfig
 from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
@@ -44,7 +45,9 @@ from agent.dra.claim_source import KubeClaimSource
 from agent.dra.mechanism import build_dra
 from agent.dra.noapi import NoApiClaims, NoApiPublisher
 from agent.dra.publisher import SlicePublisher
-from agent.errors import AgentError, ConfigError
+from agent.errors import AgentError
+from agent.handover import Handover, Observed
+from agent.handover_events import EventSink, HandoverEvents
 from agent.health.monitor import HealthMonitor
 from agent.inventory.backend import Backend
 from agent.inventory.factory import open_backend
@@ -58,6 +61,7 @@ from agent.logs import set_level
 from agent.mechanism import Mechanism, Readiness
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
 from agent.plugin.manager import PluginManager
+from agent.plugin.podresources import PodResourcesClient, PodResourcesWatcher
 
 log = structlog.get_logger("agent")
 
@@ -106,6 +110,7 @@ class Agent:
         mechanisms: Mapping[str, Mechanism],
         registry: CollectorRegistry,
         labels: NodeLabelSource | StaticLabelSource | None = None,
+        events: EventSink | None = None,
     ) -> None:
         self.config_state = config_state
         self.node_name = node_name
@@ -123,6 +128,15 @@ class Agent:
         self.api_labels: dict[str, str] = {}
         #: set when a config file is watched; re-checked when the node changes under it
         self.config_watcher: ConfigWatcher | None = None
+        #: the only writer of grants: desired owners become granted once the old owner let go
+        self.handover = Handover(
+            ownership=ownership,
+            observe={
+                mechanism.owner: functools.partial(_observe, mechanism) for mechanism in self._mechanisms.values()
+            },
+            listener=HandoverEvents(events=events, registry=registry),
+            long_wait_s=config_state.config.ownership.handover_warning_s,
+        )
         registry.register(
             AgentCollector(
                 devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
@@ -221,7 +235,29 @@ class Agent:
                 set_level(loaded.config.log_level)
                 self.health.update_config(loaded.config.health)
                 self.backend.update_health_config(loaded.config.health)
+                self._log_plan(loaded)
                 self._recompute_ownership(f"config {loaded.version}")
+
+    def _log_plan(self, loaded: LoadedConfig) -> None:
+        """Before a reload applies: what ``gpu-agent config plan`` would have said about it."""
+        desired = self.compute_ownership(loaded)
+        granted = self.ownership.current
+        holders: dict[str, list[str]] = {}
+        for mechanism in self._mechanisms.values():
+            for gpu, held in mechanism.usage().holders.items():
+                holders.setdefault(gpu, []).extend(f"{h.kind} {h.namespace}/{h.name}" for h in held)
+        current = {gpu: granted.state_of(gpu) for gpu in granted.gpus()}
+        for row in plan_rows(self.inventory, desired, current=current, holders=holders):
+            if row.moves:
+                log.info(
+                    "config plan",
+                    gpu=row.uuid,
+                    index=row.index,
+                    now=row.current,
+                    new=row.desired,
+                    rule=row.rule,
+                    waits_for=list(row.waits_for),
+                )
 
     async def watch_health(self) -> None:
         """Run the backend's health watch, moving it to each new inventory as it arrives.
@@ -309,15 +345,17 @@ class Agent:
             self.config_watcher.retry()
 
     def _recompute_ownership(self, reason: str, inventory: Inventory | None = None) -> None:
-        """Ownership for the current config, inventory and labels; a config that no longer fits is reported."""
-        try:
-            table = self.compute_ownership(self.config_state.loaded, inventory)
-        except ConfigError as exc:
-            self.config_state.reject(str(exc))
-            log.error("ownership not recomputed: the config no longer fits this node", reason=reason, error=str(exc))
-            return
-        if self.ownership.update(table):
-            log.info("ownership changed", reason=reason, counts=self.owner_counts())
+        """Desired owners for the current config, inventory and labels, handed to the handover."""
+        desired = self.compute_ownership(self.config_state.loaded, inventory)
+        if dict(desired.owners) != dict(self.ownership.desired.owners):
+            counts = {owner.value: n for owner, n in desired.counts().items()}
+            log.info("desired ownership changed", reason=reason, desired=counts)
+        self.handover.set_long_wait(self.config_state.config.ownership.handover_warning_s)
+        self.handover.set_desired(desired)
+
+
+def _observe(mechanism: Mechanism) -> Observed:
+    return Observed(mechanism.usage(), mechanism.advertised_gpus())
 
 
 async def _guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -384,6 +422,7 @@ async def run_agent(
             cdi=cdi,
             plugin_dir=config.device_plugins_dir,
             registry=registry,
+            pod_resources=PodResourcesWatcher(PodResourcesClient(config.pod_resources_socket)),
         )
         kube = await stack.enter_async_context(open_kube(config, registry=registry))
         labels = label_source(client=kube, node_name=node_name, static_labels={})
@@ -428,9 +467,15 @@ async def run_agent(
             mechanisms=mechanisms,
             registry=registry,
             labels=labels,
+            events=events,
         )
-        ownership.update(agent.compute_ownership(loaded))
-        log.info("ownership computed", node_rule=ownership.current.node_rule, counts=agent.owner_counts())
+        agent.handover.set_desired(agent.compute_ownership(loaded))
+        log.info(
+            "ownership computed",
+            node_rule=ownership.current.node_rule,
+            counts=agent.owner_counts(),
+            draining=ownership.current.drain_count(),
+        )
 
         host, port = parse_host_port(config.debug_addr, "debug_addr")
         context = DebugContext(
@@ -451,6 +496,7 @@ async def run_agent(
             "inventory-refresh": agent.refresh_inventory,
             "cdi-reconcile": cdi.run,
             "node-labels": agent.follow_labels,
+            "handover": agent.handover.run,
             "ready": lambda: _wait_ready(agent, ready),
         }
         for name, mechanism in mechanisms.items():

@@ -102,17 +102,18 @@ def next_grants(
 
 
 def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed]) -> Owner | None:
-    """At start: another mechanism that holds the GPU, or cannot tell whether it does."""
-    unknown = None
+    """At start: another mechanism that holds the GPU, advertises it (slices of an earlier run),
+    or cannot tell whether it does."""
+    doubt = None
     for owner in MECHANISMS:
         if owner is want:
             continue
         seen = observed.get(owner, IDLE)
         if seen.usage.known and seen.usage.in_use(gpu):
             return owner
-        if not seen.usage.known and unknown is None:
-            unknown = owner
-    return unknown
+        if doubt is None and (not seen.usage.known or gpu in seen.advertised):
+            doubt = owner
+    return doubt
 
 
 def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:

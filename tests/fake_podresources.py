@@ -8,6 +8,7 @@ kubelets answer), make calls fail or rate-limit (RESOURCE_EXHAUSTED, as the kube
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ class FakePodResources:
     fail: grpc.StatusCode | None = None
     calls: int = 0
     _server: grpc.aio.Server | None = None
+    _threaded: grpc.Server | None = None
 
     @property
     def socket(self) -> Path:
@@ -60,6 +62,22 @@ class FakePodResources:
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
 
+    def start_threaded(self) -> None:
+        """The same server on grpcio threads, for tests that are not async."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_PodResourcesListerServicer_to_server(_ThreadedLister(self), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._threaded = server
+
+    def stop_threaded(self) -> None:
+        server, self._threaded = self._threaded, None
+        if server is not None:
+            server.stop(grace=None)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()
+
     def list_response(self) -> pb.ListPodResourcesResponse:
         pods: dict[tuple[str, str], Any] = {}
         for (namespace, pod, container), resources in self.held.items():
@@ -71,6 +89,20 @@ class FakePodResources:
                 )
             )
         return pb.ListPodResourcesResponse(pod_resources=list(pods.values()))
+
+
+class _ThreadedLister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    def __init__(self, fake: FakePodResources) -> None:
+        self.fake = fake
+
+    def List(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.fake.calls += 1
+        return self.fake.list_response()
+
+    def GetAllocatableResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.fake.calls += 1
+        devices = [pb.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in self.fake.allocatable.items()]
+        return pb.AllocatableResourcesResponse(devices=devices)
 
 
 class _Lister(pb_grpc.PodResourcesListerServicer):  # type: ignore[misc]

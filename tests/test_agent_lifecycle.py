@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.agentproc import AgentProcess, run_cli, wait_for
+from tests.fake_podresources import FakePodResources
 
 pytestmark = pytest.mark.integration
 
@@ -43,8 +44,19 @@ def test_simulated_agent_lifecycle(tmp_path: Path, start: object) -> None:
         "    - match: {names: [test-node]}\n      gpus: {'0': dra, '7': none}\n"
     )
     agent: AgentProcess = start("--simulated", "--config", str(config))  # type: ignore[operator]
-    agent.wait_ready()
+    # the kubelet's PodResources: without it nobody can tell that no pod holds GPU 0 or 7, and
+    # their moves away from the device plugin would wait
+    pods = FakePodResources(agent.kubelet_root / "pod-resources")
+    pods.start_threaded()
+    try:
+        _lifecycle(agent, config)
+    finally:
+        pods.stop_threaded()
 
+
+def _lifecycle(agent: AgentProcess, config: Path) -> None:
+    agent.wait_ready()
+    wait_for(lambda: "draining" not in str(owners(agent.state())), 10, "the start-up grants")
     state = agent.state()
     assert state["status"] == "serving"
     assert len(state["devices"]) == 8
@@ -109,7 +121,11 @@ def test_configmap_symlink_swap_is_applied(tmp_path: Path, start: object) -> Non
     (mount / "..v2" / "config.yaml").write_text(BASE + "ownership: {default: none}\n")
     (mount / "..data_tmp").symlink_to("..v2")
     os.rename(mount / "..data_tmp", mount / "..data")
-    wait_for(lambda: set(owners(agent.state()).values()) == {"none"}, 5, "the swapped config")
+    wait_for(lambda: {d["desired_owner"] for d in agent.state()["devices"]} == {"none"}, 5, "the swapped config")
+    # no kubelet on this machine: nobody can say no pod holds the GPUs, so they drain and wait, saying why
+    devices = agent.state()["devices"]
+    assert set(owners({"devices": devices}).values()) == {"draining:device-plugin->none"}
+    assert all("cannot tell who uses it: no PodResources socket" in d["draining"]["waiting_for"] for d in devices)
     assert agent.terminate()[0] == 0
 
 

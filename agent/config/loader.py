@@ -246,6 +246,7 @@ def check_semantics(config: Config) -> None:
     positive(config.cdi.reconcile_interval_s, "cdi.reconcile_interval_s")
     if config.cdi.hook_path is not None and not config.cdi.hook_path.is_absolute():
         raise ConfigError(f"cdi.hook_path: must be an absolute path, got {str(config.cdi.hook_path)!r}")
+    positive(config.ownership.handover_warning_s, "ownership.handover_warning_s")
     for i, rule in enumerate(config.ownership.nodes):
         if not rule.match.names and not rule.match.labels:
             raise ConfigError(f"ownership.nodes[{i}].match: name node names or labels to match")

@@ -133,6 +133,9 @@ class NodeRule:
 class OwnershipConfig:
     default: Owner = Owner.DEVICE_PLUGIN
     nodes: tuple[NodeRule, ...] = ()
+    # a handover still waiting for its GPU's users after this long is reported (a warning Event);
+    # it is never forced
+    handover_warning_s: float = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +205,11 @@ class Config:
     def device_plugins_dir(self) -> Path:
         """Where the kubelet's ``kubelet.sock`` and the device-plugin sockets live."""
         return self.paths.device_plugins_dir or self.paths.kubelet_root / "device-plugins"
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        """The kubelet's PodResources API (who holds which device)."""
+        return self.paths.kubelet_root / "pod-resources" / "kubelet.sock"
 
     @property
     def dra_plugin_dir(self) -> Path:

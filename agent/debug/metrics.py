@@ -65,15 +65,23 @@ class AgentCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         devices = GaugeMetricFamily(
-            "gpu_agent_devices", "Physical GPUs on this node by owner and health", labels=["owner", "health"]
+            "gpu_agent_devices",
+            "Physical GPUs on this node by granted owner (or draining:<from>-><to>) and health",
+            labels=["owner", "health"],
         )
         counts: dict[tuple[str, str], int] = {(o.value, h.value): 0 for o in Owner for h in HealthState}
         table = self._ownership.current
         for uuid in self._devices.gpu_uuids():
-            counts[(table.owner_of(uuid).value, self._health.state(uuid).value)] += 1
+            key = (table.state_of(uuid), self._health.state(uuid).value)
+            counts[key] = counts.get(key, 0) + 1
         for (owner, health), n in sorted(counts.items()):
             devices.add_metric([owner, health], n)
         yield devices
+        yield GaugeMetricFamily(
+            "gpu_agent_draining_gpus",
+            "GPUs moving between owners, waiting for the old owner's users to leave",
+            value=table.drain_count(),
+        )
 
         yield GaugeMetricFamily(
             "gpu_agent_inventory_problems",

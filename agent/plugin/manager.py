@@ -38,6 +38,7 @@ from agent.ownership import OwnershipState
 from agent.plugin.cdinames import CdiNames
 from agent.plugin.link import KubeletLink
 from agent.plugin.metrics import PluginMetrics
+from agent.plugin.podresources import PodResourcesWatcher
 from agent.plugin.preferred import TopologyScorer
 from agent.plugin.resources import Resource, ResourcePlan, plan_resources
 from agent.plugin.server import (
@@ -48,6 +49,7 @@ from agent.plugin.server import (
     Timeouts,
 )
 from agent.plugin.service import ResourceService
+from agent.plugin.usage import DeviceUsage, device_usage
 
 log = structlog.get_logger("agent.plugin")
 
@@ -80,8 +82,11 @@ class PluginManager:
         registry: CollectorRegistry | None = None,
         backoff: Backoff = DEFAULT_BACKOFF,
         timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        pod_resources: PodResourcesWatcher | None = None,
     ) -> None:
         self._config_state = config_state
+        #: who holds which device, from the kubelet (None: not asked, usage unknown)
+        self.pod_resources = pod_resources
         self._inventories = inventory
         #: the inventory the servers' plan was built from
         self._inventory = inventory.current
@@ -147,9 +152,21 @@ class PluginManager:
         return frozenset(d.device.gpu_uuid for s in self._servers.values() for d in s.advertised())
 
     def usage(self) -> Usage:
-        # PodResources tells which containers hold which device IDs; until it is consulted the
-        # plugin cannot tell an idle GPU from a used one, and says so
-        return Usage(known=False, reason="the kubelet's PodResources API is not consulted")
+        return self._device_usage().usage
+
+    def _device_usage(self) -> DeviceUsage:
+        """Which GPUs containers hold, from the newest PodResources answer (unknown without one)."""
+        watcher = self.pod_resources
+        if watcher is None:
+            return DeviceUsage(Usage(known=False, reason="the kubelet's PodResources API is not consulted"))
+        plan = {r.name: r for r in self._plan.resources}
+        return device_usage(
+            watcher.latest,
+            reason="" if watcher.known else watcher.last_error,
+            plan=plan,
+            inventory=self._inventories.current,
+            own_names={*plan, self._config.resource_name},
+        )
 
     def debug_state(self) -> dict[str, object]:
         present = _socket_present(self.kubelet_socket)
@@ -162,6 +179,22 @@ class PluginManager:
             "watch_batches": self.watch_batches,
             "problems": list(self._plan.problems),
             "resources": {name: s.debug_state() for name, s in sorted(self._servers.items())},
+            "pod_resources": self._pod_resources_state(),
+        }
+
+    def _pod_resources_state(self) -> dict[str, object]:
+        watcher = self.pod_resources
+        if watcher is None:
+            return {"enabled": False}
+        usage = self._device_usage()
+        return {
+            "socket": str(watcher.client.socket),
+            "known": watcher.known,
+            "last_error": watcher.last_error,
+            "calls": watcher.calls,
+            "failures": watcher.failures,
+            "allocatable_served": watcher.client.allocatable_served,
+            "unadvertised_ids": list(usage.unmapped),
         }
 
     @property
@@ -199,6 +232,8 @@ class PluginManager:
                     tg.create_task(self._watch_inventory(inventory_changes), name="plugin-watch-inventory")
                     tg.create_task(self._watch_health(), name="plugin-watch-health")
                     tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
+                    if self.pod_resources is not None:
+                        tg.create_task(self.pod_resources.run(), name="plugin-pod-resources")
         finally:
             self._running = False
             self._servers = {}
