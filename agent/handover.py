@@ -79,11 +79,15 @@ def next_grants(
         had = previous.owners.get(gpu) if previous is not None else None
         drain = previous.draining.get(gpu) if previous is not None else None
         if had is None:  # start-up, or a GPU that (re)appeared: whoever still holds it drains first
-            holder = _first_holder(gpu, want, observed)
-            drain = None if holder is None else Drain(source=holder, target=want, since=now)
+            holder = _first_holder(gpu, want, observed, unknown_blocks=True)
+            drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=True)
         elif drain is not None:
             if want is drain.source:
-                drain = None  # back to the old owner, which never let go
+                # back to the old owner, which never let go (nothing else had it meanwhile); a
+                # drain derived at start is different: its "source" was a doubt, not a grant, so
+                # this is a new grant and every other mechanism must be known not to hold it
+                holder = _first_holder(gpu, want, observed, unknown_blocks=drain.derived)
+                drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=drain.derived)
             elif want is not drain.target:
                 drain = replace(drain, target=want)
         elif had is not want:
@@ -101,9 +105,9 @@ def next_grants(
     return replace(desired, owners=owners, draining=draining)
 
 
-def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed]) -> Owner | None:
-    """At start: another mechanism that holds the GPU, advertises it (slices of an earlier run),
-    or cannot tell whether it does."""
+def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed], *, unknown_blocks: bool) -> Owner | None:
+    """Another mechanism that holds the GPU, advertises it (slices of an earlier run), or — with
+    ``unknown_blocks`` — cannot tell whether it holds it: the GPU must drain from it first."""
     doubt = None
     for owner in MECHANISMS:
         if owner is want:
@@ -111,7 +115,7 @@ def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed]) -> 
         seen = observed.get(owner, IDLE)
         if seen.usage.known and seen.usage.in_use(gpu):
             return owner
-        if doubt is None and (not seen.usage.known or gpu in seen.advertised):
+        if doubt is None and ((unknown_blocks and not seen.usage.known) or gpu in seen.advertised):
             doubt = owner
     return doubt
 

@@ -34,6 +34,9 @@ class Drain:
     since: float
     #: why it has not completed yet ("" once nothing is known to hold it)
     waiting_for: str = ""
+    #: derived at start (or for a GPU that reappeared) from what might hold it, not from a grant
+    #: this process made: the source may never have had it, so going back to it is a new grant
+    derived: bool = False
 
     @property
     def label(self) -> str:
