@@ -18,6 +18,7 @@ from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.agentproc import AgentProcess
 from tests.agentproc import wait_for as sync_wait_for
+from tests.fake_podresources import FakePodResources
 from tests.test_plugin_fakes import FakeKubelet, short_tmpdir, wait_for
 
 pytestmark = pytest.mark.integration
@@ -305,11 +306,13 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
     agent = AgentProcess(
         tmp_path, ["--simulated", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
     )
+    pods = FakePodResources(agent.kubelet_root / "pod-resources")  # the kubelet: no pod holds a GPU
+    await pods.start()
     try:
         await asyncio.to_thread(agent.wait_ready)
+        await eventually(lambda: {d["owner"] for d in agent.state()["devices"]} == {"dra"}, "the grants")
         state = agent.state()
         assert state["node"]["labels"] == {"pool": "dra"}
-        assert {d["owner"] for d in state["devices"]} == {"dra"}
         assert api.tokens and api.tokens[0] == "Bearer t0ken"
 
         await api.next_watch()
@@ -322,6 +325,7 @@ async def test_node_labels_from_the_api_server_drive_ownership(tmp_path: Path) -
         assert (await asyncio.to_thread(agent.terminate))[0] == 0
     finally:
         agent.kill()
+        await pods.stop()
         await api.stop()
 
 
