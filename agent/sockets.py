@@ -10,6 +10,13 @@ by the DRA kubelet plugin. Contract:
   if the file is still the one this server created (same inode): after a restart another
   server may already listen at the same path, and its file must survive.
 * ``close`` is idempotent and safe before ``start`` or after a failed ``start``.
+
+Every server is bounded by its :class:`~agent.grpclimits.GrpcLimits`: each call through
+:class:`~agent.grpclimits.CallGate` (message size and shape, concurrent calls and streams,
+request time), each connection here: at most ``max_connections`` at once (more are closed on
+accept), and a connection without an open call for ``idle_timeout_s`` is closed after a GOAWAY
+(1,500 silent connections used to stay open, one file descriptor each). A connection with an
+open call (the kubelet's ListAndWatch) is never cut.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import os
 import socket
 import stat
+import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,10 +34,13 @@ from types import TracebackType
 from typing import Any
 
 import structlog
+from grpclib.config import Configuration
+from grpclib.const import Handler
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
 from agent.errors import StartupError
+from agent.grpclimits import CallGate, GrpcLimits, LogThrottle
 
 log = structlog.get_logger("agent.sockets")
 
@@ -74,22 +85,128 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+class _Connections:
+    """The open connections of one server: the cap, and the idle timer of each."""
+
+    def __init__(self, limits: GrpcLimits, *, name: str) -> None:
+        self.limits = limits
+        self.name = name
+        self.open: set[_Connection] = set()
+        self._refusals = LogThrottle()
+
+    def admit(self, connection: _Connection) -> bool:
+        if len(self.open) >= self.limits.max_connections:
+            count = self._refusals.due()
+            if count:
+                log.warning(
+                    "connection refused: too many open connections",
+                    server=self.name,
+                    max_connections=self.limits.max_connections,
+                    count=count,
+                )
+            return False
+        self.open.add(connection)
+        return True
+
+
+class _Connection(asyncio.Protocol):
+    """One accepted connection: grpclib's protocol inside, under its server's cap and idle timeout."""
+
+    def __init__(self, inner: H2Protocol, connections: _Connections) -> None:
+        self._inner = inner
+        self._connections = connections
+        self._admitted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._busy_at = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self._connections.admit(self):
+            transport.close()
+            return
+        self._admitted = True
+        self._inner.connection_made(transport)
+        loop = asyncio.get_running_loop()
+        self._busy_at = loop.time()
+        self._arm(self._connections.limits.idle_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self._admitted:
+            self._inner.data_received(data)
+
+    def pause_writing(self) -> None:
+        if self._admitted:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._admitted:
+            self._inner.resume_writing()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._admitted:
+            return
+        self._admitted = False
+        self._connections.open.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._inner.connection_lost(exc)
+
+    def _arm(self, delay: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection once it has had no open call for the idle timeout."""
+        loop = asyncio.get_running_loop()
+        timeout = self._connections.limits.idle_timeout_s
+        connection = self._inner.connection
+        if self._inner.processor.streams:
+            self._busy_at = loop.time()
+        elif connection.last_stream_created is not None:
+            # a call that opened and ended between two checks (monotonic clock, like the loop's)
+            self._busy_at = max(self._busy_at, loop.time() - (time.monotonic() - connection.last_stream_created))
+        idle_for = loop.time() - self._busy_at
+        if idle_for < timeout:
+            self._arm(max(timeout - idle_for, timeout / 8))
+            return
+        log.debug("closing idle gRPC connection", server=self._connections.name, idle_s=round(idle_for, 1))
+        with contextlib.suppress(Exception):  # a GOAWAY is a courtesy; the close is what matters
+            connection._connection.close_connection()
+            connection.flush()
+        connection.close()
+
+
+class _Mapping:
+    """A grpclib servable over an already built method mapping."""
+
+    def __init__(self, mapping: dict[str, Handler]) -> None:
+        self._mapping = mapping
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return self._mapping
+
+
 class _Server(Server):
-    """A grpclib server that can also drop its open connections.
+    """A grpclib server with bounded calls and connections, that can also drop its connections.
 
     Closing an asyncio server (Python 3.11) stops listening but keeps accepted connections,
     and grpclib keeps dispatching new streams on them; a gRPC client that reuses its
     connection would then talk to a stopped server. :meth:`close_connections` ends them.
     """
 
-    def __init__(self, handlers: Sequence[Any]) -> None:
-        super().__init__(handlers)
+    def __init__(self, handlers: Sequence[Any], limits: GrpcLimits, *, name: str) -> None:
+        mapping: dict[str, Handler] = {}
+        for servable in handlers:
+            mapping.update(servable.__mapping__())
+        self.gate = CallGate(limits, name=name)
+        window = limits.window_bytes
+        config = Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
+        super().__init__([_Mapping(self.gate.wrap(mapping))], config=config)
+        self.connections = _Connections(limits, name=name)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
-    def _protocol_factory(self) -> H2Protocol:
+    def _protocol_factory(self) -> _Connection:  # type: ignore[override]
         protocol = super()._protocol_factory()
         self._protocols.add(protocol)
-        return protocol
+        return _Connection(protocol, self.connections)
 
     def close_connections(self) -> None:
         for protocol in list(self._protocols):
@@ -105,10 +222,13 @@ class UnixGrpcServer:
     manager, or call :meth:`start` and :meth:`close` yourself.
     """
 
-    def __init__(self, path: Path, handlers: Sequence[Any], *, close_timeout: float = 2.0) -> None:
+    def __init__(
+        self, path: Path, handlers: Sequence[Any], *, close_timeout: float = 2.0, limits: GrpcLimits | None = None
+    ) -> None:
         self.path = path
         self._handlers = list(handlers)
         self._close_timeout = close_timeout
+        self.limits = limits or GrpcLimits()
         self._server: _Server | None = None
         self._inode: int | None = None
 
@@ -129,7 +249,7 @@ class UnixGrpcServer:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
             if remove_stale_socket(self.path):
                 log.info("removed stale socket", path=str(self.path))
-            server = _Server(self._handlers)
+            server = _Server(self._handlers, self.limits, name=self.path.name)
             await server.start(path=str(self.path))
         except OSError as exc:
             raise StartupError(f"cannot listen on {self.path}: {exc.strerror or exc}") from exc
