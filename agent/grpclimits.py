@@ -20,7 +20,7 @@ decodes it on the event loop. Here a handler receives through :class:`BoundedStr
 * every status message a handler raises is cut to ``MAX_STATUS_CHARS``: HTTP/2 header encoding
   is quadratic, and one uncut 1 MB device ID in an error froze the agent for minutes.
 
-Refusals are logged at most once per ``LOG_EVERY_S`` per server, with a count.
+Refusals are logged at most once per ten seconds per server, with a count.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.server import Stream
 
 from agent.grpcwire import ShapeLimits, WireShapeError, check_shape
+from agent.logs import LogThrottle
 
 log = structlog.get_logger("agent.grpc")
 
@@ -47,7 +47,6 @@ KiB = 1024
 MiB = 1024 * KiB
 #: longest status message sent; longer ones are cut with a note of how much was cut
 MAX_STATUS_CHARS = 512
-LOG_EVERY_S = 10.0
 #: bodies up to this size are decoded on the loop (at most ~32 fields: well under a millisecond)
 INLINE_DECODE_BYTES = 64
 
@@ -89,26 +88,6 @@ def cut(text: str, limit: int = MAX_STATUS_CHARS) -> str:
 def status_label(status: Status) -> str:
     """A metrics label for a status: ``INVALID_ARGUMENT`` -> ``invalid-argument``."""
     return status.name.lower().replace("_", "-")
-
-
-class LogThrottle:
-    """At most one log line per ``every_s`` for a repeated event; each line says how many it stands for."""
-
-    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic) -> None:
-        self._every_s = every_s
-        self._clock = clock
-        self._next = 0.0
-        self._folded = 0
-
-    def due(self) -> int:
-        """0 if this occurrence is folded into a later line; else how many occurrences to report."""
-        self._folded += 1
-        now = self._clock()
-        if now < self._next:
-            return 0
-        self._next = now + self._every_s
-        count, self._folded = self._folded, 0
-        return count
 
 
 class CallGate:

@@ -39,8 +39,9 @@ from grpclib.const import Handler
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
+from agent.connections import CappedProtocol, ConnectionCap
 from agent.errors import StartupError
-from agent.grpclimits import CallGate, GrpcLimits, LogThrottle
+from agent.grpclimits import CallGate, GrpcLimits
 
 log = structlog.get_logger("agent.sockets")
 
@@ -85,70 +86,26 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-class _Connections:
-    """The open connections of one server: the cap, and the idle timer of each."""
+class _Connection(CappedProtocol):
+    """One accepted connection: grpclib's protocol inside, closed once idle for the idle timeout."""
 
-    def __init__(self, limits: GrpcLimits, *, name: str) -> None:
-        self.limits = limits
-        self.name = name
-        self.open: set[_Connection] = set()
-        self._refusals = LogThrottle()
-
-    def admit(self, connection: _Connection) -> bool:
-        if len(self.open) >= self.limits.max_connections:
-            count = self._refusals.due()
-            if count:
-                log.warning(
-                    "connection refused: too many open connections",
-                    server=self.name,
-                    max_connections=self.limits.max_connections,
-                    count=count,
-                )
-            return False
-        self.open.add(connection)
-        return True
-
-
-class _Connection(asyncio.Protocol):
-    """One accepted connection: grpclib's protocol inside, under its server's cap and idle timeout."""
-
-    def __init__(self, inner: H2Protocol, connections: _Connections) -> None:
-        self._inner = inner
-        self._connections = connections
-        self._admitted = False
+    def __init__(self, inner: H2Protocol, cap: ConnectionCap, idle_timeout_s: float) -> None:
+        super().__init__(inner, cap)
+        self._h2 = inner
+        self._idle_timeout_s = idle_timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self._busy_at = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if not self._connections.admit(self):
-            transport.close()
-            return
-        self._admitted = True
-        self._inner.connection_made(transport)
-        loop = asyncio.get_running_loop()
-        self._busy_at = loop.time()
-        self._arm(self._connections.limits.idle_timeout_s)
+        super().connection_made(transport)
+        if self.admitted:
+            self._busy_at = asyncio.get_running_loop().time()
+            self._arm(self._idle_timeout_s)
 
-    def data_received(self, data: bytes) -> None:
-        if self._admitted:
-            self._inner.data_received(data)
-
-    def pause_writing(self) -> None:
-        if self._admitted:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._admitted:
-            self._inner.resume_writing()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if not self._admitted:
-            return
-        self._admitted = False
-        self._connections.open.discard(self)
+    def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._inner.connection_lost(exc)
+        super().connection_lost(exc)
 
     def _arm(self, delay: float) -> None:
         self._timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
@@ -156,9 +113,9 @@ class _Connection(asyncio.Protocol):
     def _check_idle(self) -> None:
         """Close the connection once it has had no open call for the idle timeout."""
         loop = asyncio.get_running_loop()
-        timeout = self._connections.limits.idle_timeout_s
-        connection = self._inner.connection
-        if self._inner.processor.streams:
+        timeout = self._idle_timeout_s
+        connection = self._h2.connection
+        if self._h2.processor.streams:
             self._busy_at = loop.time()
         elif connection.last_stream_created is not None:
             # a call that opened and ended between two checks (monotonic clock, like the loop's)
@@ -167,7 +124,7 @@ class _Connection(asyncio.Protocol):
         if idle_for < timeout:
             self._arm(max(timeout - idle_for, timeout / 8))
             return
-        log.debug("closing idle gRPC connection", server=self._connections.name, idle_s=round(idle_for, 1))
+        log.debug("closing idle gRPC connection", server=self._cap.name, idle_s=round(idle_for, 1))
         with contextlib.suppress(Exception):  # a GOAWAY is a courtesy; the close is what matters
             connection._connection.close_connection()
             connection.flush()
@@ -200,13 +157,13 @@ class _Server(Server):
         window = limits.window_bytes
         config = Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
         super().__init__([_Mapping(self.gate.wrap(mapping))], config=config)
-        self.connections = _Connections(limits, name=name)
+        self.connections = ConnectionCap(limits.max_connections, name=name)
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
         protocol = super()._protocol_factory()
         self._protocols.add(protocol)
-        return _Connection(protocol, self.connections)
+        return _Connection(protocol, self.connections, self.gate.limits.idle_timeout_s)
 
     def close_connections(self) -> None:
         for protocol in list(self._protocols):

@@ -29,6 +29,7 @@ from agent.health.model import Signal, SignalKind
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
 from agent.inventory.simulated import SimulatedBackend
+from agent.logs import LogThrottle
 from agent.ownership import OwnershipState
 from agent.plugin.allocate import MAX_CONTAINER_REQUESTS
 from agent.plugin.resources import plan_resources
@@ -359,3 +360,12 @@ async def test_an_open_list_and_watch_is_never_cut_for_idleness() -> None:
         message = await next_message(stream)
         assert {d.ID: d.health for d in message.devices}[s.gpu(3)] == "Unhealthy"
         stream.cancel()
+
+
+def test_refusal_logs_are_throttled_with_a_count() -> None:
+    now = [100.0]
+    throttle = LogThrottle(every_s=10.0, clock=lambda: now[0])
+    assert throttle.due() == 1  # the first one is logged
+    assert [throttle.due() for _ in range(5)] == [0] * 5  # a flood is folded ...
+    now[0] += 10.0
+    assert throttle.due() == 6  # ... into the next line, which says how many it stands for
