@@ -71,6 +71,9 @@ class GrpcLimits:
     request_timeout_s: float = 10.0
     #: the kubelet keeps one connection per plugin socket (plus one while it restarts)
     max_connections: int = 16
+    #: HTTP/2 MAX_CONCURRENT_STREAMS (h2 defaults to 100): the kubelet uses one stream for
+    #: ListAndWatch and one at a time for the unary calls
+    max_streams_per_connection: int = 16
     #: a connection without an open call for this long is closed (GOAWAY first); the kubelet
     #: reconnects on its next call, and its ListAndWatch connection is never idle
     idle_timeout_s: float = 60.0

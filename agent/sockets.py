@@ -13,10 +13,11 @@ by the DRA kubelet plugin. Contract:
 
 Every server is bounded by its :class:`~agent.grpclimits.GrpcLimits`: each call through
 :class:`~agent.grpclimits.CallGate` (message size and shape, concurrent calls and streams,
-request time), each connection here: at most ``max_connections`` at once (more are closed on
-accept), and a connection without an open call for ``idle_timeout_s`` is closed after a GOAWAY
-(1,500 silent connections used to stay open, one file descriptor each). A connection with an
-open call (the kubelet's ListAndWatch) is never cut.
+request time), each connection here: at most ``max_connections`` at once (a new one displaces
+the connection without an open call that has been quiet the longest, see
+:mod:`agent.connections`), and a connection without an open call for ``idle_timeout_s`` is
+closed after a GOAWAY (1,500 silent connections used to stay open, one file descriptor each).
+A connection with an open call (the kubelet's ListAndWatch) is never cut.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from grpclib.config import Configuration
 from grpclib.const import Handler
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
+from h2.settings import SettingCodes
 
 from agent.connections import CappedProtocol, ConnectionCap
 from agent.errors import StartupError
@@ -89,12 +91,24 @@ def _inode(path: Path) -> int | None:
 class _Connection(CappedProtocol):
     """One accepted connection: grpclib's protocol inside, closed once idle for the idle timeout."""
 
-    def __init__(self, inner: H2Protocol, cap: ConnectionCap, idle_timeout_s: float) -> None:
-        super().__init__(inner, cap)
+    def __init__(self, inner: H2Protocol, cap: ConnectionCap, limits: GrpcLimits) -> None:
+        super().__init__(inner, cap, start_on_data=True)
         self._h2 = inner
-        self._idle_timeout_s = idle_timeout_s
+        self._idle_timeout_s = limits.idle_timeout_s
+        self._max_streams = limits.max_streams_per_connection
         self._timer: asyncio.TimerHandle | None = None
         self._busy_at = 0.0
+
+    def busy(self) -> bool:
+        return self.started and bool(self._h2.processor.streams)
+
+    def _start(self, transport: asyncio.BaseTransport) -> None:
+        super()._start(transport)
+        # h2 lets a peer open 100 streams at once per connection; every one that reaches
+        # grpclib costs a task and a response, so a burst of them is one long loop iteration
+        connection = self._h2.connection
+        connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams})
+        connection.flush()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -114,6 +128,12 @@ class _Connection(CappedProtocol):
         """Close the connection once it has had no open call for the idle timeout."""
         loop = asyncio.get_running_loop()
         timeout = self._idle_timeout_s
+        if not self.started:  # not a byte received: silent since it connected
+            if loop.time() - self._busy_at >= timeout:
+                self.close()
+            else:
+                self._arm(timeout - (loop.time() - self._busy_at))
+            return
         connection = self._h2.connection
         if self._h2.processor.streams:
             self._busy_at = loop.time()
@@ -163,7 +183,7 @@ class _Server(Server):
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
         protocol = super()._protocol_factory()
         self._protocols.add(protocol)
-        return _Connection(protocol, self.connections, self.gate.limits.idle_timeout_s)
+        return _Connection(protocol, self.connections, self.gate.limits)
 
     def close_connections(self) -> None:
         for protocol in list(self._protocols):

@@ -72,15 +72,43 @@ async def closed_by_server(reader: asyncio.StreamReader, within_s: float = 5.0) 
         return await reader.read()
 
 
-async def test_connections_over_the_cap_get_503_at_once_and_silent_ones_are_closed_when_idle() -> None:
-    async with endpoint() as port:
-        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(FAST.max_connections)]
+async def test_at_the_cap_a_probe_displaces_the_quietest_silent_connection() -> None:
+    """A flood of silent connections must never make the liveness probe fail."""
+    async with endpoint(HttpLimits(max_connections=4, idle_timeout_s=60)) as port:
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
         try:
-            answer = await exchange(port, b"", within_s=0.25)  # far sooner than the idle timeout
-            assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"too many open connections")
+            assert (await get(port)).startswith(b"HTTP/1.1 200 ")
+            assert await closed_by_server(silent[0][0]) == b""  # the oldest made room
+            assert not any(reader.at_eof() for reader, _ in silent[1:])
+        finally:
+            for _reader, writer in silent:
+                writer.close()
+
+
+async def test_503_only_when_every_connection_is_answering_a_request() -> None:
+    async with endpoint(HttpLimits(max_connections=2, body_timeout_s=30)) as port:
+        head = b"POST /debug/simulated/health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+        busy = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        try:
+            for _reader, writer in busy:
+                writer.write(head + b"{")  # a request in progress, waiting for its body
+            await asyncio.sleep(0)
+            answer = b""
+            async with asyncio.timeout(5):
+                while not answer.startswith(b"HTTP/1.1 503 "):  # once both requests are being answered
+                    answer = await get(port)
+            assert answer.endswith(b"too many open connections")
+        finally:
+            for _reader, writer in busy:
+                writer.close()
+
+
+async def test_silent_connections_are_closed_after_the_idle_timeout() -> None:
+    async with endpoint() as port:
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        try:
             for reader, _writer in silent:
                 assert await closed_by_server(reader) == b""
-            assert (await get(port)).startswith(b"HTTP/1.1 200 ")
         finally:
             for _reader, writer in silent:
                 writer.close()

@@ -61,7 +61,9 @@ class Served:
         return self.inventory.gpus[index].uuid
 
     def channel(self) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(f"unix://{self.path}", options=[("grpc.max_send_message_length", -1)])
+        # a connection of its own per channel (grpcio shares them between channels by default)
+        options = [("grpc.max_send_message_length", -1), ("grpc.use_local_subchannel_pool", 1)]
+        return grpc.aio.insecure_channel(f"unix://{self.path}", options=options)
 
     def stub(self, channel: grpc.aio.Channel) -> pb_grpc.DevicePluginStub:
         return pb_grpc.DevicePluginStub(channel)
@@ -324,23 +326,52 @@ async def test_list_and_watch_streams_are_capped(s: Served) -> None:
             call.cancel()
 
 
-async def test_connections_are_capped_and_silent_ones_closed_when_idle() -> None:
-    limits = GrpcLimits(max_connections=4, idle_timeout_s=0.5)
-    async with served(limits) as s:
+async def test_at_the_connection_cap_a_new_client_displaces_the_quietest_silent_one() -> None:
+    """1,500 silent connections must not lock the kubelet out of its plugin."""
+    async with served(GrpcLimits(max_connections=4)) as s:
         silent = [await silent_connection(s.path) for _ in range(4)]
         try:
-            # the cap is full: one more is closed at once, without waiting for the idle timeout
-            over = RawGrpc(*await silent_connection(s.path))
-            assert await over.closed_by_peer(within_s=0.4)
-            await over.close()
-            # the silent ones go after the idle timeout (1,500 of them used to stay open)
-            for reader, _writer in silent:
-                await asyncio.wait_for(reader.read(), 5)
-                assert reader.at_eof()
-            assert s.server._server is not None and not s.server._server.connections.open
-            # and a real client gets in again
             async with s.channel() as channel:
                 assert (await s.stub(channel).GetDevicePluginOptions(pb.Empty())).get_preferred_allocation_available
+            # the oldest silent connection made room; the others are still open
+            await asyncio.wait_for(silent[0][0].read(), 5)  # the server's preface, then EOF
+            assert silent[0][0].at_eof()
+            assert not any(reader.at_eof() for reader, _ in silent[1:])
+            assert s.server._server is not None and len(s.server._server.connections.open) <= 4
+        finally:
+            for _reader, writer in silent:
+                writer.close()
+
+
+async def test_when_every_connection_is_busy_a_new_one_is_refused() -> None:
+    async with served(GrpcLimits(max_connections=2)) as s:
+        channels = [s.channel() for _ in range(2)]
+        try:
+            streams = [s.stub(c).ListAndWatch(pb.Empty()) for c in channels]
+            for stream in streams:
+                assert len((await next_message(stream)).devices) == 8
+            over = RawGrpc(*await silent_connection(s.path))
+            assert await over.closed_by_peer(within_s=5)
+            await over.close()
+            # the busy ones were not touched
+            s.health.observe(Signal(uuid=s.gpu(1), kind=SignalKind.INJECTED_FAULT))
+            s.service.notify()
+            for stream in streams:
+                assert {d.ID: d.health for d in (await next_message(stream)).devices}[s.gpu(1)] == "Unhealthy"
+                stream.cancel()
+        finally:
+            for channel in channels:
+                await channel.close()
+
+
+async def test_silent_connections_are_closed_when_idle() -> None:
+    async with served(GrpcLimits(idle_timeout_s=0.3)) as s:
+        silent = [await silent_connection(s.path) for _ in range(3)]
+        try:
+            for reader, _writer in silent:
+                await asyncio.wait_for(reader.read(), 5)  # the server's preface and GOAWAY, then EOF
+                assert reader.at_eof()
+            assert s.server._server is not None and not s.server._server.connections.open
         finally:
             for _reader, writer in silent:
                 writer.close()

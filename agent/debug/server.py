@@ -6,7 +6,9 @@ Handlers reach the agent only through the :class:`DebugContext` stored under a t
 What a client can make it do is bounded by :class:`HttpLimits`: request line and headers (sizes
 and count), the body (``client_max_size``: 413 past it), the time a body may take to arrive, how
 long a connection may sit without a complete request (1,000 half-sent requests used to stay open
-for an hour each), and how many connections are open at once (503 past it).
+for an hour each), and how many connections are open at once (a new one displaces the quietest
+idle one, so a flood of silent connections never locks out a probe; 503 only when every open
+connection is answering a request).
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ def build_app(context: DebugContext, limits: HttpLimits | None = None) -> web.Ap
     return app
 
 
+class _HttpConnection(CappedProtocol):
+    def busy(self) -> bool:
+        # aiohttp's handler holds the request it is answering (no public accessor)
+        return self.admitted and getattr(self._inner, "_current_request", None) is not None
+
+
 class _Site(web.BaseSite):
     """A TCP site whose connections are capped (aiohttp's own TCPSite accepts any number)."""
 
@@ -175,7 +183,7 @@ class _Site(web.BaseSite):
         server = self._runner.server
         assert server is not None
         self._server = await asyncio.get_running_loop().create_server(
-            lambda: CappedProtocol(server(), self._cap), self._host, self._port, reuse_address=True
+            lambda: _HttpConnection(server(), self._cap), self._host, self._port, reuse_address=True
         )
 
     def bound_port(self) -> int:
