@@ -35,16 +35,31 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "con
 
 
 class AgentProcess:
-    def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+    """``gpu-agent run`` in ``root``. Flags in ``args`` win over the defaults given here (the
+    last occurrence of a flag counts); ``launcher`` goes before the interpreter (e.g. a command
+    that drops privileges), and with ``make_dirs=False`` the agent finds no directories made
+    for it."""
+
+    def __init__(
+        self,
+        root: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        launcher: list[str] | None = None,
+        make_dirs: bool = True,
+    ) -> None:
         self.root = root
         self.kubelet_root = root / "kubelet"
         self.cdi_root = root / "cdi"
         self.state_dir = root / "state"
-        for d in (self.kubelet_root / "device-plugins", self.cdi_root, self.state_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        if make_dirs:
+            for d in (self.kubelet_root / "device-plugins", self.cdi_root, self.state_dir):
+                d.mkdir(parents=True, exist_ok=True)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
         full_env.update(env or {})
         self.args = [
+            *(launcher or []),
             sys.executable,
             "-m",
             "agent",
@@ -143,9 +158,10 @@ class AgentProcess:
         self._reader.join(timeout=5)
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30.0, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
+    command = [*(launcher or []), sys.executable, "-m", "agent", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout)
