@@ -1,9 +1,11 @@
 """The agent as a real process under the attacks outside testing found, measured from outside.
 
 One agent (simulated, no kubelet) is attacked on its device-plugin socket and its debug
-endpoint, one attack after another. Throughout, a probe process asks ``/healthz`` every 20 ms
-and records the slowest answer: the event loop serves it, so a stall of the loop shows there (each
-of these attacks used to stall it for seconds to minutes). At the end the process's peak RSS
+endpoint, one attack after another. Throughout, a probe process asks ``/healthz`` every 20 ms:
+the event loop serves it, so a stall of the loop shows there (each of these attacks used to stall
+it for seconds to minutes). The probe counts a slow answer as a stall only for as long as the
+agent was using CPU meanwhile (see ``tests/healthz_probe.py``), so a loaded machine that simply
+does not schedule the agent is not mistaken for a stalled loop. At the end the process's peak RSS
 (``VmHWM``) must be under the DaemonSet's 128 Mi limit, and its file descriptors back near
 where they started.
 """
@@ -51,25 +53,25 @@ def open_fds(pid: int) -> int:
 
 
 class HealthzProbe:
-    """``tests.healthz_probe`` in a process of its own; ``slowest`` once it has stopped."""
+    """``tests.healthz_probe`` in a process of its own, watching the agent process ``pid``."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, pid: int) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.healthz_probe", str(port)],
+            [sys.executable, "-m", "tests.healthz_probe", str(port), str(pid)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         self.answers = 0
         self.slowest = 0.0
+        self.stall = 0.0
         self._reader = threading.Thread(target=self._read, daemon=True)
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             report = json.loads(line)
-            self.answers = report["answers"]
-            self.slowest = report.get("slowest", self.slowest)
+            self.answers, self.slowest, self.stall = report["answers"], report["slowest"], report["stall"]
 
     def __enter__(self) -> HealthzProbe:
         self._reader.start()
@@ -127,7 +129,11 @@ async def greedy_grpc(path: Path) -> None:
         served = [o for o in outcomes if isinstance(o, pb.ListAndWatchResponse)]
         exhausted = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
         assert len(served) == 8 and len(exhausted) == 2_000 - 8
-        assert {e.code() for e in exhausted} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        # past the stream cap: RESOURCE_EXHAUSTED; a stream h2 refused (over the 16 streams per
+        # connection, once the client has taken that setting) reaches grpcio as UNAVAILABLE
+        codes = {e.code() for e in exhausted}
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+        assert codes <= {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE}
         for call in calls:
             call.cancel()
     finally:
@@ -168,7 +174,7 @@ def test_attacks_leave_the_loop_running_and_memory_under_the_limit() -> None:
         pid = process.proc.pid
         sock = process.kubelet_root / "device-plugins" / SOCKET
         fds_before = open_fds(pid)
-        with HealthzProbe(process.port) as probe:
+        with HealthzProbe(process.port, pid) as probe:
             wait_for(lambda: probe.answers > 0, 10, "a first /healthz answer")
             held = silent_unix(sock, 1_500) + half_sent_http(process.port, 1_000)
             try:
@@ -182,8 +188,11 @@ def test_attacks_leave_the_loop_running_and_memory_under_the_limit() -> None:
             answers = probe.answers
             wait_for(lambda: probe.answers > answers, 10, "/healthz answering after the attacks")
         peak = proc_status(pid, "VmHWM")
-        print(f"agent peak RSS {peak / 2**20:.1f} MiB, slowest /healthz {probe.slowest * 1000:.0f} ms")
-        assert probe.slowest < LAG_BOUND_S, f"the event loop stalled: /healthz took {probe.slowest:.2f}s"
+        print(
+            f"agent peak RSS {peak / 2**20:.1f} MiB; slowest /healthz {probe.slowest * 1000:.0f} ms, "
+            f"longest stall {probe.stall * 1000:.0f} ms"
+        )
+        assert probe.stall < LAG_BOUND_S, f"the event loop stalled for {probe.stall:.2f}s"
         assert peak < RSS_LIMIT_BYTES, f"peak RSS {peak / 2**20:.0f} MiB"
         wait_for(lambda: open_fds(pid) <= fds_before + 4, 30, "connections closed after the attacks")
         assert process.proc.poll() is None, process.output()
