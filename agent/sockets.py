@@ -28,7 +28,6 @@ import os
 import socket
 import stat
 import time
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -178,18 +177,13 @@ class _Server(Server):
         config = Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
         super().__init__([_Mapping(self.gate.wrap(mapping))], config=config)
         self.connections = ConnectionCap(limits.max_connections, name=name)
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
-        protocol = super()._protocol_factory()
-        self._protocols.add(protocol)
-        return _Connection(protocol, self.connections, self.gate.limits)
+        return _Connection(super()._protocol_factory(), self.connections, self.gate.limits)
 
     def close_connections(self) -> None:
-        for protocol in list(self._protocols):
-            connection = getattr(protocol, "connection", None)
-            if connection is not None:
-                connection.close()  # flushes what was written, then closes the transport
+        for connection in list(self.connections.open):
+            connection.close()  # the transport flushes what was written, then closes
 
 
 class UnixGrpcServer:

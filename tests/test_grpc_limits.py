@@ -400,3 +400,14 @@ def test_refusal_logs_are_throttled_with_a_count() -> None:
     assert [throttle.due() for _ in range(5)] == [0] * 5  # a flood is folded ...
     now[0] += 10.0
     assert throttle.due() == 6  # ... into the next line, which says how many it stands for
+
+
+async def test_closing_the_server_closes_every_connection_silent_ones_too() -> None:
+    async with served() as s:
+        reader, writer = await silent_connection(s.path)
+        async with s.channel() as channel:
+            assert (await s.stub(channel).GetDevicePluginOptions(pb.Empty())).get_preferred_allocation_available
+            await s.server.close()
+            await asyncio.wait_for(reader.read(), 5)
+            assert reader.at_eof()
+        writer.close()
