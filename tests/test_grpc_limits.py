@@ -411,3 +411,18 @@ async def test_closing_the_server_closes_every_connection_silent_ones_too() -> N
             await asyncio.wait_for(reader.read(), 5)
             assert reader.at_eof()
         writer.close()
+
+
+async def test_a_client_that_resets_its_half_sent_request_is_counted_as_aborted(s: Served) -> None:
+    raw = await RawGrpc.connect(s.path)
+    try:
+        stream_id = raw.start("Allocate", frame(b"\x0a\x00", length=100), end=False)
+        await wait_for(lambda: s.server._server is not None and s.server._server.gate.calls == 1, what="call")
+        with structlog.testing.capture_logs() as logs:
+            raw._h2.reset_stream(stream_id)
+            raw._flush()
+            await wait_for(lambda: s.server._server is not None and s.server._server.gate.calls == 0, what="freed")
+    finally:
+        await raw.close()
+    assert s.rpcs == [("Allocate", "aborted")]
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs

@@ -27,6 +27,7 @@ import grpclib.const
 import structlog
 from grpclib import GRPCError
 from grpclib.const import Status
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.server import Stream
 
 from agent._proto.deviceplugin import v1beta1 as pb
@@ -101,7 +102,7 @@ class DevicePluginServicer:
             except GRPCError as exc:  # refused while receiving; the gate logged it
                 result = status_label(exc.status)
                 raise
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, StreamTerminatedError):  # the client went away
                 result = "aborted"
                 raise
             except Exception as exc:
