@@ -1,13 +1,16 @@
 """``gpu-agent``: run the agent, look at the node's devices, check config files.
 
 Every user error ends in one line on stderr (``gpu-agent: error: ...``) and a non-zero
-exit: 2 for a bad config or flag, 1 for anything else. No tracebacks for user errors.
+exit: 2 for a bad config or flag, 1 for anything else. No tracebacks for user errors, and no
+boxed usage messages: :class:`OneLineErrors` turns click's usage errors (an unknown command or
+flag, a bad value) into the same one line, with a pointer to ``--help``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -19,9 +22,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import structlog
 import typer
+from typer.core import TyperGroup
 
 from agent import __version__
 from agent.cdi.cli import cdi_app
+from agent.config.check import check_preset_flag
 from agent.config.loader import build_config, env_overrides, load_config, read_document
 from agent.errors import AgentError, ConfigError
 from agent.logs import configure_logging
@@ -30,8 +35,52 @@ if TYPE_CHECKING:
     from agent.config.schema import Config
     from agent.inventory.model import Inventory
 
+PROG = "gpu-agent"
+
+#: the click that typer runs on (recent typer releases vendor their own copy)
+_click_errors: Any = importlib.import_module(typer.BadParameter.__module__)
+
+
+def error_line(message: str) -> str:
+    return f"{PROG}: error: {message}"
+
+
+class OneLineErrors(TyperGroup):
+    """The top-level command: click's errors become one line on stderr; help stays help."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        try:
+            result = super().main(args, prog_name or PROG, complete_var, standalone_mode=False, **extra)
+            code = result if isinstance(result, int) else 0  # an Exit's code, or a command's return
+        except _click_errors.NoArgsIsHelpError as exc:
+            if exc.message:  # the help text (typer with rich has already printed it)
+                typer.echo(exc.message)
+            code = exc.exit_code
+        except _click_errors.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else PROG
+            typer.echo(error_line(f"{exc.format_message()} (see '{where} --help')"), err=True)
+            code = exc.exit_code
+        except _click_errors.ClickException as exc:
+            typer.echo(error_line(exc.format_message()), err=True)
+            code = exc.exit_code
+        except typer.Abort:
+            typer.echo(error_line("aborted"), err=True)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
-    name="gpu-agent",
+    name=PROG,
+    cls=OneLineErrors,
     help="A Kubernetes node agent serving NVIDIA GPUs through device plugins, DRA and CDI.",
     no_args_is_help=True,
     add_completion=False,
@@ -45,7 +94,7 @@ log = structlog.get_logger("agent.cli")
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
-    typer.echo(f"gpu-agent: error: {message}", err=True)
+    typer.echo(error_line(message), err=True)
     return typer.Exit(code)
 
 
@@ -62,7 +111,10 @@ def user_errors() -> Iterator[None]:
 # --- shared options --------------------------------------------------------------
 
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="Config file (the mounted ConfigMap).", envvar="GPU_AGENT_CONFIG")
+    Path | None,
+    typer.Option(
+        "--config", "-c", help="Config file (the mounted ConfigMap).", envvar="GPU_AGENT_CONFIG", readable=False
+    ),
 ]
 BackendOpt = Annotated[str | None, typer.Option("--backend", help="auto | nvml | simulated (default auto).")]
 SimulatedOpt = Annotated[bool, typer.Option("--simulated", help="Shorthand for --backend simulated.")]
@@ -102,17 +154,23 @@ def run(
     preset: PresetOpt = None,
     node_name: NodeNameOpt = None,
     kubelet_root: Annotated[
-        Path | None, typer.Option(help="The kubelet's --root-dir (plugins_registry, plugins, pod-resources).")
+        Path | None,
+        typer.Option(help="The kubelet's --root-dir (plugins_registry, plugins, pod-resources).", readable=False),
     ] = None,
     device_plugins_dir: Annotated[
         Path | None,
-        typer.Option(help="The kubelet's device-plugins directory (default <kubelet-root>/device-plugins)."),
+        typer.Option(
+            help="The kubelet's device-plugins directory (default <kubelet-root>/device-plugins).", readable=False
+        ),
     ] = None,
-    cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.")] = None,
-    state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.")] = None,
-    driver_root: Annotated[Path | None, typer.Option(help="Where the NVIDIA driver's files live.")] = None,
+    cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.", readable=False)] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.", readable=False)] = None,
+    driver_root: Annotated[
+        Path | None, typer.Option(help="Where the NVIDIA driver's files live.", readable=False)
+    ] = None,
     host_driver_root: Annotated[
-        Path | None, typer.Option(help="Where the host's container runtime sees the driver root (CDI specs).")
+        Path | None,
+        typer.Option(help="Where the host's container runtime sees the driver root (CDI specs).", readable=False),
     ] = None,
     debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9477).")] = None,
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: in-cluster).")] = None,
@@ -139,6 +197,8 @@ def run(
     configure_logging(str(overrides.get("log_level", "info")))
     options = RunOptions(config_path=config, overrides=overrides)
     with user_errors():
+        if preset is not None:
+            check_preset_flag(preset, load_config(config, overrides).config)
         code = asyncio.run(_run(options))
     raise typer.Exit(code)
 
@@ -217,7 +277,9 @@ def inventory(
     configure_logging("warning")
     overrides = collect_overrides(backend=backend, simulated=simulated, preset=preset, node_name=node_name)
     with user_errors():
-        inv = asyncio.run(_read_inventory(load_config(config, overrides).config))
+        cfg = load_config(config, overrides).config
+        check_preset_flag(preset, cfg)
+        inv = asyncio.run(_read_inventory(cfg))
     if as_json:
         typer.echo(json.dumps(inventory_json(inv), indent=2))
     else:
@@ -256,12 +318,19 @@ def config_check(
     simulated: SimulatedOpt = False,
     preset: PresetOpt = None,
 ) -> None:
-    """Validate a config file and print the effective ownership for a node."""
+    """Validate a config file and print the effective ownership for a node.
+
+    The node is found as ``run`` finds it: ``--node-name``, ``GPU_AGENT_NODE_NAME``, the file's
+    ``node_name``, ``NODE_NAME``, then the host name. ``--preset`` implies ``--simulated`` here:
+    this command only ever simulates.
+    """
+    from agent.app import resolve_node_name
     from agent.config.check import describe_ownership
 
     with user_errors():
         labels = _parse_labels(label or [])
         overrides: dict[str, Any] = {"node_labels": labels}
+        overrides.update({k: v for k, v in env_overrides().items() if k == "node_name"})
         if node_name:
             overrides["node_name"] = node_name
         if simulated or preset:
@@ -270,7 +339,8 @@ def config_check(
                 overrides["preset"] = preset
         cfg = build_config(read_document(file), overrides)
         typer.echo(f"{file}: valid")
-        typer.echo(asyncio.run(describe_ownership(cfg, node_name=node_name, labels=labels)))
+        node = resolve_node_name(cfg)
+        typer.echo(asyncio.run(describe_ownership(cfg, node_name=node, labels=labels)))
 
 
 @config_app.command("plan")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import structlog
@@ -55,3 +57,23 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
 def set_level(level: str) -> None:
     """Change the level of every logger at run time (config ``log_level``, applied live)."""
     logging.getLogger().setLevel(_LEVELS.get(level, logging.INFO))
+
+
+class LogThrottle:
+    """At most one log line per ``every_s`` for a repeated event; each line says how many it stands for."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._every_s = every_s
+        self._clock = clock
+        self._next = 0.0
+        self._folded = 0
+
+    def due(self) -> int:
+        """0 if this occurrence is folded into a later line; else how many occurrences to report."""
+        self._folded += 1
+        now = self._clock()
+        if now < self._next:
+            return 0
+        self._next = now + self._every_s
+        count, self._folded = self._folded, 0
+        return count

@@ -10,6 +10,14 @@ by the DRA kubelet plugin. Contract:
   if the file is still the one this server created (same inode): after a restart another
   server may already listen at the same path, and its file must survive.
 * ``close`` is idempotent and safe before ``start`` or after a failed ``start``.
+
+Every server is bounded by its :class:`~agent.grpclimits.GrpcLimits`: each call through
+:class:`~agent.grpclimits.CallGate` (message size and shape, concurrent calls and streams,
+request time), each connection here: at most ``max_connections`` at once (a new one displaces
+the connection without an open call that has been quiet the longest, see
+:mod:`agent.connections`), and a connection without an open call for ``idle_timeout_s`` is
+closed after a GOAWAY (1,500 silent connections used to stay open, one file descriptor each).
+A connection with an open call (the kubelet's ListAndWatch) is never cut.
 """
 
 from __future__ import annotations
@@ -18,17 +26,22 @@ import asyncio
 import contextlib
 import os
 import stat
-import weakref
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import structlog
+from grpclib.config import Configuration
+from grpclib.const import Handler
 from grpclib.protocol import H2Protocol
 from grpclib.server import Server
+from h2.settings import SettingCodes
 
+from agent.connections import CappedProtocol, ConnectionCap
 from agent.errors import StartupError
+from agent.grpclimits import CallGate, GrpcLimits
 
 log = structlog.get_logger("agent.sockets")
 
@@ -80,28 +93,103 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+class _Connection(CappedProtocol):
+    """One accepted connection: grpclib's protocol inside, closed once idle for the idle timeout."""
+
+    def __init__(self, inner: H2Protocol, cap: ConnectionCap, limits: GrpcLimits) -> None:
+        super().__init__(inner, cap, start_on_data=True)
+        self._h2 = inner
+        self._idle_timeout_s = limits.idle_timeout_s
+        self._max_streams = limits.max_streams_per_connection
+        self._timer: asyncio.TimerHandle | None = None
+        self._busy_at = 0.0
+
+    def busy(self) -> bool:
+        return self.started and bool(self._h2.processor.streams)
+
+    def _start(self, transport: asyncio.BaseTransport) -> None:
+        super()._start(transport)
+        # h2 lets a peer open 100 streams at once per connection; every one that reaches
+        # grpclib costs a task and a response, so a burst of them is one long loop iteration
+        connection = self._h2.connection
+        connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams})
+        connection.flush()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.admitted:
+            self._busy_at = asyncio.get_running_loop().time()
+            self._arm(self._idle_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self, delay: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection once it has had no open call for the idle timeout."""
+        loop = asyncio.get_running_loop()
+        timeout = self._idle_timeout_s
+        if not self.started:  # not a byte received: silent since it connected
+            if loop.time() - self._busy_at >= timeout:
+                self.close()
+            else:
+                self._arm(timeout - (loop.time() - self._busy_at))
+            return
+        connection = self._h2.connection
+        if self._h2.processor.streams:
+            self._busy_at = loop.time()
+        elif connection.last_stream_created is not None:
+            # a call that opened and ended between two checks (monotonic clock, like the loop's)
+            self._busy_at = max(self._busy_at, loop.time() - (time.monotonic() - connection.last_stream_created))
+        idle_for = loop.time() - self._busy_at
+        if idle_for < timeout:
+            self._arm(max(timeout - idle_for, timeout / 8))
+            return
+        log.debug("closing idle gRPC connection", server=self._cap.name, idle_s=round(idle_for, 1))
+        with contextlib.suppress(Exception):  # a GOAWAY is a courtesy; the close is what matters
+            connection._connection.close_connection()
+            connection.flush()
+        connection.close()
+
+
+class _Mapping:
+    """A grpclib servable over an already built method mapping."""
+
+    def __init__(self, mapping: dict[str, Handler]) -> None:
+        self._mapping = mapping
+
+    def __mapping__(self) -> dict[str, Handler]:
+        return self._mapping
+
+
 class _Server(Server):
-    """A grpclib server that can also drop its open connections.
+    """A grpclib server with bounded calls and connections, that can also drop its connections.
 
     Closing an asyncio server (Python 3.11) stops listening but keeps accepted connections,
     and grpclib keeps dispatching new streams on them; a gRPC client that reuses its
     connection would then talk to a stopped server. :meth:`close_connections` ends them.
     """
 
-    def __init__(self, handlers: Sequence[Any]) -> None:
-        super().__init__(handlers)
-        self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
+    def __init__(self, handlers: Sequence[Any], limits: GrpcLimits, *, name: str) -> None:
+        mapping: dict[str, Handler] = {}
+        for servable in handlers:
+            mapping.update(servable.__mapping__())
+        self.gate = CallGate(limits, name=name)
+        window = limits.window_bytes
+        config = Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
+        super().__init__([_Mapping(self.gate.wrap(mapping))], config=config)
+        self.connections = ConnectionCap(limits.max_connections, name=name)
 
-    def _protocol_factory(self) -> H2Protocol:
-        protocol = super()._protocol_factory()
-        self._protocols.add(protocol)
-        return protocol
+    def _protocol_factory(self) -> _Connection:  # type: ignore[override]
+        return _Connection(super()._protocol_factory(), self.connections, self.gate.limits)
 
     def close_connections(self) -> None:
-        for protocol in list(self._protocols):
-            connection = getattr(protocol, "connection", None)
-            if connection is not None:
-                connection.close()  # flushes what was written, then closes the transport
+        for connection in list(self.connections.open):
+            connection.close()  # the transport flushes what was written, then closes
 
 
 class UnixGrpcServer:
@@ -111,10 +199,13 @@ class UnixGrpcServer:
     manager, or call :meth:`start` and :meth:`close` yourself.
     """
 
-    def __init__(self, path: Path, handlers: Sequence[Any], *, close_timeout: float = 2.0) -> None:
+    def __init__(
+        self, path: Path, handlers: Sequence[Any], *, close_timeout: float = 2.0, limits: GrpcLimits | None = None
+    ) -> None:
         self.path = path
         self._handlers = list(handlers)
         self._close_timeout = close_timeout
+        self.limits = limits or GrpcLimits()
         self._server: _Server | None = None
         self._inode: int | None = None
 
@@ -135,7 +226,7 @@ class UnixGrpcServer:
             self.path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
             if await remove_stale_socket(self.path):
                 log.info("removed stale socket", path=str(self.path))
-            server = _Server(self._handlers)
+            server = _Server(self._handlers, self.limits, name=self.path.name)
             await server.start(path=str(self.path))
         except OSError as exc:
             raise StartupError(f"cannot listen on {self.path}: {exc.strerror or exc}") from exc

@@ -37,7 +37,20 @@ def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "con
 
 
 class AgentProcess:
-    def __init__(self, root: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+    """``gpu-agent run`` in ``root``. Flags in ``args`` win over the defaults given here (the
+    last occurrence of a flag counts); ``launcher`` goes before the interpreter (e.g. a command
+    that drops privileges), and with ``make_dirs=False`` the agent finds no directories made
+    for it."""
+
+    def __init__(
+        self,
+        root: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        launcher: list[str] | None = None,
+        make_dirs: bool = True,
+    ) -> None:
         self.root = root
         # the kubelet's sockets live under the kubelet root: keep them under the 107-byte Unix socket
         # limit, which a pytest tmp_path plus plugins/<driver>/dra.sock passes
@@ -47,11 +60,13 @@ class AgentProcess:
         self.kubelet_root = (self._short_root or root) / "kubelet"
         self.cdi_root = root / "cdi"
         self.state_dir = root / "state"
-        for d in (self.kubelet_root / "device-plugins", self.cdi_root, self.state_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        if make_dirs:
+            for d in (self.kubelet_root / "device-plugins", self.cdi_root, self.state_dir):
+                d.mkdir(parents=True, exist_ok=True)
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
         full_env.update(env or {})
         self.args = [
+            *(launcher or []),
             sys.executable,
             "-m",
             "agent",
@@ -165,9 +180,10 @@ class AgentProcess:
             shutil.rmtree(self._short_root, ignore_errors=True)
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30.0, launcher: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "agent", *args], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
+    command = [*(launcher or []), sys.executable, "-m", "agent", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout)

@@ -100,9 +100,10 @@ def test_check_reports_every_problem_one_per_line(tmp_path: Path) -> None:
     assert any(line.startswith(str(cdi / "d.json")) and "at least v0.5.0" in line for line in lines)
 
 
-def test_check_missing_directory(tmp_path: Path) -> None:
+def test_check_missing_directory_is_one_line_on_stderr(tmp_path: Path) -> None:
     result = runner.invoke(cli.cdi_app, ["check", str(tmp_path / "nope")])
-    assert result.exit_code == 1 and "not a directory" in result.output
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr == f"gpu-agent: error: cannot check {tmp_path / 'nope'}: not a directory\n"
 
 
 def test_generate_command_names_host_paths(tmp_path: Path, fake_backend: list[Config]) -> None:
@@ -123,5 +124,5 @@ def test_generate_command_names_host_paths(tmp_path: Path, fake_backend: list[Co
 def test_generate_command_rejects_a_relative_host_driver_root(tmp_path: Path, fake_backend: list[Config]) -> None:
     driver = FakeDriver(tmp_path / "root").build()
     result = runner.invoke(cli.cdi_app, ["generate", "--driver-root", str(driver.root), "--host-driver-root", "run"])
-    assert result.exit_code == 1
-    assert "error: paths.host_driver_root: must be an absolute path" in result.output
+    assert result.exit_code == 2  # a bad flag
+    assert "gpu-agent: error: paths.host_driver_root: must be an absolute path" in result.output

@@ -131,3 +131,76 @@ async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 5) == 0
     assert unwound.is_set()
+
+
+# --- first contact: every mistake is one line ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bogus"], "gpu-agent: error: No such command 'bogus'. (see 'gpu-agent --help')"),
+        (["run", "--bogus"], "gpu-agent: error: No such option: --bogus (see 'gpu-agent run --help')"),
+        (["cdi", "bogus"], "gpu-agent: error: No such command 'bogus'. (see 'gpu-agent cdi --help')"),
+        (["config", "check"], "gpu-agent: error: Missing argument 'FILE'. (see 'gpu-agent config check --help')"),
+        (["inventory", "extra"], "gpu-agent: error: Got unexpected extra argument(s) (extra)"),
+    ],
+)
+def test_usage_errors_are_one_line_on_stderr_with_exit_2(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+
+
+def test_no_arguments_prints_the_help() -> None:
+    result = run_cli()
+    assert result.returncode == 2 and "Usage: gpu-agent" in result.stdout and result.stderr == ""
+    assert run_cli("run", "--help").returncode == 0
+
+
+def test_cdi_generate_without_gpus_is_one_line() -> None:
+    result = run_cli("cdi", "generate", env={"LD_LIBRARY_PATH": "/nonexistent"})
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("gpu-agent: error: this node has no GPUs")
+    assert result.stderr.endswith(": there is no device plugin spec to generate\n")
+    assert result.stderr.count("\n") == 1
+
+
+def test_cdi_check_of_a_missing_directory_is_one_line_on_stderr(tmp_path: Path) -> None:
+    result = run_cli("cdi", "check", str(tmp_path / "nope"))
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == f"gpu-agent: error: cannot check {tmp_path / 'nope'}: not a directory\n"
+
+
+@pytest.mark.parametrize("command", [["run"], ["inventory"], ["cdi", "generate"]])
+def test_a_preset_without_the_simulated_backend_is_refused(command: list[str]) -> None:
+    result = run_cli(*command, "--preset", "a100-4x-mig", env={"LD_LIBRARY_PATH": "/nonexistent"})
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        "gpu-agent: error: --preset a100-4x-mig describes a simulated node, but the backend is auto: add --simulated\n"
+    )
+    assert invoke("inventory", "--simulated", "--preset", "a100-4x-mig")[0] == 0
+    assert invoke("inventory", "--backend", "simulated", "--preset", "a100-4x-mig")[0] == 0
+
+
+def test_a_config_that_is_a_directory_stops_the_agent_with_one_line(tmp_path: Path) -> None:
+    result = run_cli("run", "--simulated", "--config", str(tmp_path), "--debug-addr", "127.0.0.1:0")
+    assert result.returncode == 2 and result.stdout == ""
+    expected = f"gpu-agent: error: cannot read config file {tmp_path}: it is a directory, not a regular file\n"
+    assert result.stderr == expected
+
+
+def test_config_check_finds_the_node_as_run_does(tmp_path: Path) -> None:
+    """node_name defaults to NODE_NAME, then to the host name (README), for `config check` too."""
+    import socket
+
+    host = socket.gethostname()
+    path = tmp_path / "c.yaml"
+    path.write_text(f"ownership:\n  nodes:\n    - match: {{names: [from-env, {host}]}}\n      default: dra\n")
+    by_env = run_cli("config", "check", str(path), env={"NODE_NAME": "from-env"})
+    assert by_env.returncode == 0 and "node from-env " in by_env.stdout and "default owner: dra" in by_env.stdout
+    by_host = run_cli("config", "check", str(path), env={"NODE_NAME": ""})
+    assert by_host.returncode == 0 and f"node {host} " in by_host.stdout and "default owner: dra" in by_host.stdout
+    by_flag = run_cli("config", "check", str(path), "--node-name", "other", env={"NODE_NAME": "from-env"})
+    assert "node other " in by_flag.stdout and "cluster default owner: device-plugin" in by_flag.stdout

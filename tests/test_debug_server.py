@@ -115,8 +115,10 @@ async def test_serve_on_port_zero_reports_the_bound_port() -> None:
 
 async def test_absurd_bodies_are_400_not_500(aiohttp_client: Any) -> None:
     client = await aiohttp_client(build_app(_context(sim=FakeSim())))
-    resp = await client.post("/debug/simulated/health", data=b"[" * 100_000 + b"]" * 100_000)
+    resp = await client.post("/debug/simulated/health", data=b"[" * 30_000 + b"]" * 30_000)
     assert resp.status == 400
+    resp = await client.post("/debug/simulated/health", data=b"[" * 100_000 + b"]" * 100_000)
+    assert resp.status == 413  # past client_max_size: never read whole
     resp = await client.post("/debug/simulated/health", json={"device": "9" * 5000, "healthy": False})
     assert resp.status == 400
 

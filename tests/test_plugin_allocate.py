@@ -17,7 +17,7 @@ from agent.plugin.allocate import (
     MountSpec,
     resolve_ids,
 )
-from agent.plugin.errors import AllocationError, ErrorKind
+from agent.plugin.errors import AllocationError, ErrorKind, format_ids
 from agent.plugin.resources import Resource, plan_resources
 from tests.test_plugin_fakes import FakeCdi, ownership_for
 
@@ -208,3 +208,17 @@ def test_prestart_validates(inv: Inventory) -> None:
     allocator.prestart(res, [gpu(inv, 0)], ownership=ownership_for(inv), health=Health())
     with pytest.raises(AllocationError, match=r"pre-start nvidia\.com/gpu: unknown"):
         allocator.prestart(res, ["x"], ownership=ownership_for(inv), health=Health())
+
+
+@pytest.mark.parametrize(
+    ("ids", "shown"),
+    [
+        (["GPU-1", "GPU-2"], "GPU-1, GPU-2"),
+        (["a\nb"], "'a\\nb'"),
+        (["x" * 100], "x" * 64 + "...(100 characters)"),
+        (["y\n" * 50], repr("y\n" * 32) + "...(100 characters)"),
+        ([f"G{i}" for i in range(10)], "G0, G1, G2, G3, G4, G5, G6, G7 (+2 more)"),
+    ],
+)
+def test_ids_in_messages_are_cut_short_and_quoted(ids: list[str], shown: str) -> None:
+    assert format_ids(ids) == shown

@@ -77,6 +77,15 @@ async def test_a_missing_socket_means_unknown(kubelet: FakePodResources) -> None
     assert not usage.known and "no PodResources socket" in usage.reason
 
 
+async def test_an_unreadable_kubelet_directory_means_unknown_not_a_crash() -> None:
+    with short_tmpdir() as root:
+        blocker = root / "pod-resources"
+        blocker.write_text("a file where the directory should be")  # lstat fails with ENOTDIR
+        watcher = PodResourcesWatcher(PodResourcesClient(blocker / "kubelet.sock"))
+        await watcher.poll()
+        assert not watcher.known and "cannot look for the PodResources socket" in watcher.last_error
+
+
 async def test_ids_map_back_to_physical_gpus_in_every_form() -> None:
     inventory = await _inventory("a100-4x-mig")
     mig_gpu = next(g for g in inventory.gpus if g.mig_enabled)

@@ -23,8 +23,9 @@ from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, InvalidSpecError, SpecWriteError
 from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.writer import atomic_write, read_spec_file, spec_files
+from agent.config.check import check_preset_flag
 from agent.config.schema import CdiConfig, Config, PathsConfig
-from agent.errors import AgentError
+from agent.errors import AgentError, ConfigError
 from agent.inventory.model import Inventory
 
 DEFAULT_CDI_ROOT = PathsConfig().cdi_root
@@ -156,11 +157,15 @@ def generate_command(
         overrides["backend"] = backend
     if preset is not None:
         overrides["preset"] = preset
+    from agent.logs import configure_logging
+
+    configure_logging("warning")  # the backend's start-up notes are not this command's output
     stdout = sys.stdout
     try:
         # the spec owns stdout: anything else printed meanwhile (log lines) goes to stderr
         with contextlib.redirect_stdout(sys.stderr):
             config = _load_config(config_file, overrides)
+            check_preset_flag(preset, config)
             inventory = asyncio.run(_load_inventory(config))
             text = render_device_plugin_spec(
                 inventory,
@@ -171,8 +176,8 @@ def generate_command(
             )
         write_output(text, output, stdout)
     except AgentError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        typer.echo(f"gpu-agent: error: {exc}", err=True)
+        raise typer.Exit(2 if isinstance(exc, ConfigError) else 1) from None
 
 
 @cdi_app.command("check")
@@ -180,6 +185,14 @@ def check_command(
     directory: Annotated[Path, typer.Argument(help="the CDI spec directory")] = DEFAULT_CDI_ROOT,
 ) -> None:
     """Validate every spec in DIR (ours and others') and report name conflicts between files."""
+    try:
+        usable = directory.is_dir()
+        reason = "not a directory"
+    except OSError as exc:  # e.g. a parent directory this user may not search
+        usable, reason = False, exc.strerror or str(exc)
+    if not usable:
+        typer.echo(f"gpu-agent: error: cannot check {directory}: {reason}", err=True)
+        raise typer.Exit(1)
     problems, files, devices = check_directory(directory)
     for line in problems:
         typer.echo(line)

@@ -109,7 +109,15 @@ class Reconciler:
     def discover(self, inventory: Inventory) -> DriverView:
         return self.source.look(inventory)
 
-    def reconcile(self, inventory: Inventory, claims: Mapping[str, Sequence[str] | ClaimDevices]) -> ReconcileReport:
+    def reconcile(
+        self,
+        inventory: Inventory,
+        claims: Mapping[str, Sequence[str] | ClaimDevices],
+        *,
+        keep_claim_files: bool = False,
+    ) -> ReconcileReport:
+        """Bring the directory in line; ``keep_claim_files``: which claims are prepared is not
+        known (the DRA checkpoint cannot be read), so no claim spec is deleted."""
         repairs: list[Repair] = []
         errors: list[str] = []
         for name in self.writer.remove_stale_temp_files():
@@ -147,6 +155,8 @@ class Reconciler:
                 continue
             if repair is not None:
                 repairs.append(repair)
+        if keep_claim_files:
+            wanted |= {n for n in owned if claim_uid_of(self.claim_kind, n)}
         for name in sorted(owned - wanted):
             try:
                 if self.writer.remove(name):

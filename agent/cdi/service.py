@@ -48,7 +48,9 @@ log = structlog.get_logger("agent.cdi")
 
 #: answers "which claims are prepared, with which devices" (the DRA checkpoint); a value is
 #: the claim's device UUIDs, or a ClaimDevices when the claim adds environment variables
-PreparedClaims = Callable[[], Mapping[str, Sequence[str] | ClaimDevices]]
+#: answers "which claims are prepared, with which devices" (the DRA checkpoint), or None when it
+#: cannot tell yet (checkpoint unreadable): then every claim spec on disk is kept as it is
+PreparedClaims = Callable[[], Mapping[str, Sequence[str] | ClaimDevices] | None]
 
 
 class CdiProvider(Protocol):
@@ -318,11 +320,15 @@ class CdiService:
             self._writer.sync_directory()
         return out
 
-    def prepared_claims(self) -> dict[str, ClaimDevices]:
-        """The external source's claims, plus ours (prepare writes CDI before the checkpoint)."""
+    def prepared_claims(self) -> dict[str, ClaimDevices] | None:
+        """The external source's claims, plus ours (prepare writes CDI before the checkpoint);
+        None while the source cannot tell."""
         out: dict[str, ClaimDevices] = {}
         if self._source is not None:
-            external = {uid: as_claim_devices(devs) for uid, devs in self._source().items()}
+            answer = self._source()
+            if answer is None:
+                return None
+            external = {uid: as_claim_devices(devs) for uid, devs in answer.items()}
             self._unprepared &= set(external)  # forgotten by the source: the tombstone can go
             out.update({uid: devs for uid, devs in external.items() if uid not in self._unprepared})
         out.update(self._claims)
@@ -333,7 +339,12 @@ class CdiService:
     async def reconcile_once(self) -> ReconcileReport:
         async with self._lock:
             claims = self.prepared_claims()
-            report = await asyncio.to_thread(self._reconciler.reconcile, self._inventory(), claims)
+            report = await asyncio.to_thread(
+                self._reconciler.reconcile,
+                self._inventory(),
+                claims if claims is not None else self._claims,
+                keep_claim_files=claims is None,
+            )
             self._skipped = frozenset(s.partition(":")[0] for s in report.skipped)
         self._record(report)
         return report
@@ -409,7 +420,7 @@ class CdiService:
             "driver_mode": self._driver.mode,
             "driver_version": last.driver_version if last else None,
             "files": list(last.owned) if last else [],
-            "claims": sorted(self.prepared_claims()),
+            "claims": sorted(self.prepared_claims() or ()),
             "skipped_devices": list(last.skipped) if last else [],
             "last_reconcile": last.at if last else None,
             "reconcile_passes": self._passes,

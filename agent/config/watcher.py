@@ -10,9 +10,9 @@ stays in force.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,16 @@ def keep_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
     return dataclasses.replace(new, **kept), changed
 
 
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """What a worker thread made of the file: its digest, and a config or the error it gave."""
+
+    digest: str
+    loaded: LoadedConfig | None = None
+    error: ConfigError | None = None
+    restart_only: tuple[str, ...] = ()
+
+
 class ConfigWatcher:
     def __init__(
         self,
@@ -68,23 +78,34 @@ class ConfigWatcher:
         # was starting (after that parse, before this watcher existed) is still news
         self._last_bytes_digest = state.loaded.file_digest
         self._candidate_rejected = False
+        self._wake = asyncio.Event()
+        self._checking = asyncio.Lock()
 
     async def run(self) -> None:
         """Watch until cancelled. Events are the fast path; a slow resync covers missed ones.
 
         After an event the watcher waits for the directory to be quiet for ``settle_s`` before
         reading, so a file written in several steps (an editor, ``cat > file``) is read whole.
-        ConfigMap updates are atomic and lose only that moment.
+        ConfigMap updates are atomic and lose only that moment. :meth:`retry` wakes it early.
         """
         async with DirectoryWatcher(self._path.parent) as watcher:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._resync_interval_s):
-                        await anext(watcher)
-                        await self._settle(watcher)
-                self.check()
+                await self._next_trigger(watcher)
+                await self.check()
 
-    async def _settle(self, watcher: DirectoryWatcher) -> None:
+    async def _next_trigger(self, watcher: DirectoryWatcher) -> None:
+        """Return once a change has settled, a retry is asked for, or the resync interval passed."""
+        waits = {asyncio.ensure_future(self._settled_change(watcher)), asyncio.ensure_future(self._wake.wait())}
+        try:
+            await asyncio.wait(waits, timeout=self._resync_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+        self._wake.clear()
+
+    async def _settled_change(self, watcher: DirectoryWatcher) -> None:
+        await anext(watcher)
         while True:
             try:
                 async with asyncio.timeout(self._settle_s):
@@ -92,57 +113,73 @@ class ConfigWatcher:
             except TimeoutError:
                 return
 
-    def check(self) -> bool:
-        """Re-read the file if its bytes changed; returns whether a new config was installed."""
-        # one read: the bytes compared are the bytes parsed
-        unreadable: ConfigError | None = None
-        try:
-            data = read_config_bytes(self._path)
-            digest = bytes_digest(data)
-        except ConfigError as exc:
-            data, digest, unreadable = b"", f"unreadable: {exc}", exc
-        if digest == self._last_bytes_digest:
-            return False
-        self._last_bytes_digest = digest
-        try:
-            if unreadable is not None:
-                raise unreadable
-            if not data.strip():
-                # almost always a write caught half-way; "all defaults" would flip every owner
-                raise ConfigError(f"config file {self._path} is empty (write '{{}}' to go back to the defaults)")
-            candidate = self._load(data, digest)
-            self._validate(candidate)
-        except ConfigError as exc:
-            self._candidate_rejected = True
-            self._state.reject(str(exc))
-            log.error(
-                "config update rejected, keeping the last good config",
-                error=str(exc),
-                version=self._state.loaded.version,
-                path=str(self._path),
-            )
-            return False
-        self._candidate_rejected = False
-        installed = self._state.accept(candidate)
-        if installed:
-            log.info("config update applied", version=candidate.version, path=str(self._path))
-        return installed
+    async def check(self) -> bool:
+        """Re-read the file if its bytes changed; returns whether a new config was installed.
+
+        Reading and parsing run in a worker thread: the file is at most 1 MiB, but YAML that
+        size takes seconds to parse. Validation against the node and installing run here.
+        """
+        async with self._checking:
+            candidate = await asyncio.to_thread(self._read, self._last_bytes_digest, self._state.config)
+            if candidate is None:
+                return False
+            self._last_bytes_digest = candidate.digest
+            try:
+                if candidate.error is not None:
+                    raise candidate.error
+                assert candidate.loaded is not None
+                if candidate.restart_only:
+                    log.warning(
+                        "config fields changed that take effect only on restart; keeping the running values",
+                        fields=list(candidate.restart_only),
+                    )
+                self._validate(candidate.loaded)
+            except ConfigError as exc:
+                self._candidate_rejected = True
+                self._state.reject(str(exc))
+                log.error(
+                    "config update rejected, keeping the last good config",
+                    error=str(exc),
+                    version=self._state.loaded.version,
+                    path=str(self._path),
+                )
+                return False
+            self._candidate_rejected = False
+            installed = self._state.accept(candidate.loaded)
+            if installed:
+                log.info("config update applied", version=candidate.loaded.version, path=str(self._path))
+            return installed
 
     def retry(self) -> bool:
         """The node changed (inventory, labels): a file rejected only because it did not fit
-        the node may fit now, so read it again even though its bytes are the same."""
+        the node may fit now, so read it again even though its bytes are the same.
+
+        Returns whether a re-read is due; :meth:`run` does it soon after (or call :meth:`check`).
+        """
         if not self._candidate_rejected:
             return False
         self._last_bytes_digest = ""
-        return self.check()
+        self._wake.set()
+        return True
 
-    def _load(self, data: bytes, digest: str) -> LoadedConfig:
-        document = parse_config_bytes(data, f"config file {self._path}")
-        config = build_config(document, self._overrides)
-        config, restart_only = keep_restart_only(self._state.config, config)
-        if restart_only:
-            log.warning(
-                "config fields changed that take effect only on restart; keeping the running values",
-                fields=restart_only,
-            )
-        return LoadedConfig(config=config, version=config_digest(config), source=str(self._path), file_digest=digest)
+    def _read(self, last_digest: str, running: Config) -> _Candidate | None:
+        """Worker thread: the file's bytes made into a candidate; None when they are unchanged."""
+        try:
+            data = read_config_bytes(self._path)
+        except ConfigError as exc:
+            digest = f"unreadable: {exc}"
+            return None if digest == last_digest else _Candidate(digest, error=exc)
+        digest = bytes_digest(data)
+        if digest == last_digest:
+            return None
+        if not data.strip():
+            # almost always a write caught half-way; "all defaults" would flip every owner
+            empty = ConfigError(f"config file {self._path} is empty (write '{{}}' to go back to the defaults)")
+            return _Candidate(digest, error=empty)
+        try:
+            document = parse_config_bytes(data, f"config file {self._path}")
+            config, restart_only = keep_restart_only(running, build_config(document, self._overrides))
+        except ConfigError as exc:
+            return _Candidate(digest, error=exc)
+        loaded = LoadedConfig(config=config, version=config_digest(config), source=str(self._path), file_digest=digest)
+        return _Candidate(digest, loaded=loaded, restart_only=tuple(restart_only))

@@ -2,10 +2,18 @@
 
 Handlers reach the agent only through the :class:`DebugContext` stored under a typed
 ``web.AppKey``; they never import the components themselves.
+
+What a client can make it do is bounded by :class:`HttpLimits`: request line and headers (sizes
+and count), the body (``client_max_size``: 413 past it), the time a body may take to arrive, how
+long a connection may sit without a complete request (1,000 half-sent requests used to stay open
+for an hour each), and how many connections are open at once (a new one displaces the quietest
+idle one, so a flood of silent connections never locks out a probe; 503 only when every open
+connection is answering a request).
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -15,8 +23,10 @@ from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from agent.connections import CappedProtocol, ConnectionCap
 from agent.errors import AgentError, DeviceNotFoundError, StartupError
 from agent.health.model import Signal
 from agent.mechanism import Readiness
@@ -41,7 +51,26 @@ class DebugContext:
     simulated: SimulatedControl | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    #: the only body is the simulated-health JSON, a few dozen bytes
+    max_body_bytes: int = 64 * 1024
+    body_timeout_s: float = 5.0
+    #: a connection without a complete request (silent, half-sent, idle keep-alive) is closed
+    idle_timeout_s: float = 15.0
+    #: probes, a Prometheus scrape and a person with curl need a handful
+    max_connections: int = 64
+    max_line_bytes: int = 8190
+    max_header_bytes: int = 8190
+    max_headers: int = 32
+
+
 CONTEXT = web.AppKey("context", DebugContext)
+LIMITS = web.AppKey("limits", HttpLimits)
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\n"
+    b"Connection: close\r\n\r\ntoo many open connections"
+)
 
 
 def _dumps(value: Any) -> str:
@@ -82,7 +111,10 @@ async def simulated_health(request: web.Request) -> web.Response:
     if control is None:  # pragma: no cover - the route is only added with a control
         raise web.HTTPNotFound()
     try:
-        body = await request.json()
+        async with asyncio.timeout(request.app[LIMITS].body_timeout_s):
+            body = await request.json()
+    except TimeoutError:
+        return web.json_response({"error": "request body not received in time"}, status=408)
     except (ValueError, RecursionError):
         return _bad_request('body must be JSON like {"device": "0", "healthy": false, "xid": 79}')
     if not isinstance(body, dict):
@@ -106,9 +138,20 @@ async def simulated_health(request: web.Request) -> web.Response:
     return web.json_response({"device": signal.uuid, "signal": signal.kind.value, "xid": signal.xid})
 
 
-def build_app(context: DebugContext) -> web.Application:
-    app = web.Application()
+@web.middleware
+async def _declared_size(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A body announced larger than the limit is refused before any of it is read."""
+    limit = request.app[LIMITS].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
+    return await handler(request)
+
+
+def build_app(context: DebugContext, limits: HttpLimits | None = None) -> web.Application:
+    limits = limits or HttpLimits()
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_declared_size])
     app[CONTEXT] = context
+    app[LIMITS] = limits
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -118,20 +161,64 @@ def build_app(context: DebugContext) -> web.Application:
     return app
 
 
+class _HttpConnection(CappedProtocol):
+    def busy(self) -> bool:
+        # aiohttp's handler holds the request it is answering (no public accessor)
+        return self.admitted and getattr(self._inner, "_current_request", None) is not None
+
+
+class _Site(web.BaseSite):
+    """A TCP site whose connections are capped (aiohttp's own TCPSite accepts any number)."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, cap: ConnectionCap) -> None:
+        super().__init__(runner)
+        self._host, self._port, self._cap = host, port, cap
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _HttpConnection(server(), self._cap), self._host, self._port, reuse_address=True
+        )
+
+    def bound_port(self) -> int:
+        sockets = getattr(self._server, "sockets", None) or ()
+        return int(sockets[0].getsockname()[1]) if sockets else self._port
+
+
 @asynccontextmanager
-async def serve_debug(context: DebugContext, host: str, port: int) -> AsyncIterator[int]:
+async def serve_debug(
+    context: DebugContext, host: str, port: int, limits: HttpLimits | None = None
+) -> AsyncIterator[int]:
     """Serve until the context exits; yields the bound port (useful with port 0)."""
-    runner = web.AppRunner(build_app(context), access_log=None, handle_signals=False)
+    limits = limits or HttpLimits()
+    runner = web.AppRunner(
+        build_app(context, limits),
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=limits.idle_timeout_s,
+        max_line_size=limits.max_line_bytes,
+        max_field_size=limits.max_header_bytes,
+        max_headers=limits.max_headers,
+        # after an early answer (413, 408) the rest of a body is drained this long, not 10 s
+        lingering_time=1.0,
+        # open requests get this long at shutdown, well inside the agent's own deadline
+        shutdown_timeout=1.0,
+    )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_address=True)
+        site = _Site(runner, host, port, ConnectionCap(limits.max_connections, name="debug", refusal=_BUSY))
         try:
             await site.start()
         except OSError as exc:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise StartupError(f"debug endpoint cannot listen on {host}:{port}: {reason}") from exc
-        sockets = getattr(site._server, "sockets", None) or []
-        bound = int(sockets[0].getsockname()[1]) if sockets else port
+        bound = site.bound_port()
         log.info("debug endpoint listening", addr=f"{host}:{bound}")
         yield bound
     finally:

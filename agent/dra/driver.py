@@ -251,6 +251,8 @@ class DraDriver:
         self._written = 0  # the version the checkpoint on disk holds
         self._inflight: set[asyncio.Task[object]] = set()
         self.loaded = False
+        #: why the checkpoint could not be loaded ("" once it is)
+        self.load_error = ""
         self.checkpoint = CheckpointStatus(path=store.path)
         self._devices: tuple[Inventory | None, dict[str, DraDevice]] = (None, {})
 
@@ -264,8 +266,11 @@ class DraDriver:
         """Claims whose devices are reserved while their preparation is in flight."""
         return [(self._reserving[uid], planned) for uid, planned in self._reserved.items() if uid in self._reserving]
 
-    def cdi_claims(self) -> dict[str, ClaimDevices]:
-        """Which claim specs the CDI reconciler must keep (and re-create when missing)."""
+    def cdi_claims(self) -> dict[str, ClaimDevices] | None:
+        """Which claim specs the CDI reconciler must keep (and re-create when missing); None
+        while the checkpoint is not loaded (every claim spec on disk is kept then)."""
+        if not self.loaded:
+            return None
         out = {}
         for uid, claim in self._prepared.items():
             env: dict[str, tuple[str, ...]] = {}
@@ -307,6 +312,7 @@ class DraDriver:
         self._version = 1 if loaded.status == "corrupt" else 0
         status.version = CHECKPOINT_VERSION if loaded.status == "ok" else 0
         self.loaded = True
+        self.load_error = ""
         self._metrics.prepared.set(len(self._prepared))
         log.info("dra.checkpoint_loaded", status=loaded.status, claims=len(self._prepared), path=str(self._store.path))
         if loaded.status == "corrupt":

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import structlog
 from prometheus_client import CollectorRegistry
 
 from agent.backoff import Backoff
@@ -31,10 +32,13 @@ from agent.dra.plugin import DEFAULT_BACKOFF, DRA_SOCKET, REGISTRY_DIR, KubeletP
 from agent.dra.registration import RegistrationState
 from agent.dra.registration_servicer import RegistrationServicer
 from agent.dra.servicer import v1_servicer, v1beta1_servicer
+from agent.errors import StartupError
 from agent.health.monitor import HealthMonitor
 from agent.inventory.state import InventoryState
 from agent.mechanism import Holder, Readiness, Usage
 from agent.ownership import OwnershipState
+
+log = structlog.get_logger("agent.dra")
 
 
 class SlicePublisher(Protocol):
@@ -79,6 +83,7 @@ class DraMechanism:
         registration: RegistrationState,
         publisher: SlicePublisher,
         ownership: OwnershipState,
+        backoff: Backoff = DEFAULT_BACKOFF,
     ) -> None:
         self.driver = driver
         self.plugin = plugin
@@ -86,9 +91,20 @@ class DraMechanism:
         self.registration = registration
         self.publisher = publisher
         self._ownership = ownership
+        self._backoff = backoff
 
     async def run(self) -> None:
-        """Serve until cancelled; the sockets are removed and calls in flight cancelled on the way out."""
+        """Serve until cancelled; the sockets are removed and calls in flight cancelled on the way out.
+
+        A checkpoint that could not be read at start is tried again (with backoff) before the
+        kubelet plugin serves: answering Prepare without knowing what is prepared could hand a
+        device out twice.
+        """
+        attempt = 0
+        while not self.driver.loaded:
+            attempt += 1
+            await asyncio.sleep(self._backoff.delay(attempt))
+            await self._restore()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.plugin.run(), name="dra-plugin")
@@ -121,9 +137,17 @@ class DraMechanism:
         notes = [n for n in (own.detail, published.detail and f"ResourceSlices: {published.detail}") if n]
         return Readiness(True, "; ".join(notes))
 
+    async def _restore(self) -> None:
+        try:
+            await self.driver.restore()
+        except StartupError as exc:
+            if str(exc) != self.driver.load_error:
+                log.error("DRA checkpoint cannot be read; DRA waits and retries", error=str(exc))
+            self.driver.load_error = str(exc)
+
     def _own_readiness(self) -> Readiness:
         if not self.driver.loaded:
-            return Readiness(False, "DRA checkpoint not loaded yet")
+            return Readiness(False, f"DRA checkpoint not loaded: {self.driver.load_error or 'not yet'}")
         for endpoint in (self.plugin.dra, self.plugin.registration):
             if endpoint.last_error:
                 return Readiness(False, f"DRA plugin cannot serve its {endpoint.name} socket: {endpoint.last_error}")
@@ -144,7 +168,7 @@ class DraMechanism:
 
     def usage(self) -> Usage:
         if not self.driver.loaded:
-            return Usage(known=False, reason="the DRA checkpoint is not loaded yet")
+            return Usage(known=False, reason=f"the DRA checkpoint is not loaded: {self.driver.load_error or 'not yet'}")
         holders: dict[str, list[Holder]] = {}
         for claim in self.driver.prepared.values():
             by_gpu: dict[str, list[str]] = {}
@@ -228,8 +252,8 @@ async def build_dra(
 ) -> DraMechanism:
     """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
 
-    Raises StartupError when the state
-    directory cannot be read at all; a corrupt checkpoint is moved aside and rebuilt instead.
+    A state directory that cannot be read at all leaves the mechanism not ready (it retries
+    in ``run``); a corrupt checkpoint is moved aside and rebuilt instead.
     """
     driver_name = config.dra.driver_name
     metrics = DraMetrics(registry)
@@ -265,8 +289,15 @@ async def build_dra(
         registration_handlers=[RegistrationServicer(registration, metrics, on_registered=publisher.kick)],
         backoff=tuning.backoff,
     )
-    await driver.restore()
-    cdi.set_prepared_claims(driver.cdi_claims)
-    return DraMechanism(
-        driver=driver, plugin=plugin, feed=feed, registration=registration, publisher=publisher, ownership=ownership
+    mechanism = DraMechanism(
+        driver=driver,
+        plugin=plugin,
+        feed=feed,
+        registration=registration,
+        publisher=publisher,
+        ownership=ownership,
+        backoff=tuning.backoff,
     )
+    await mechanism._restore()  # an unreadable state directory is retried by run(), not fatal
+    cdi.set_prepared_claims(driver.cdi_claims)
+    return mechanism

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.config.loader import convert, convert_dataclass, parse_yaml_mapping
+from agent.config.reader import read_file_bounded
 from agent.errors import ConfigError
 from agent.inventory.model import Gpu, Inventory, Link, MigDevice, PcieLevel, link_key
 
@@ -163,10 +164,14 @@ class LoadedPreset:
 
 
 def load_preset(preset: str) -> LoadedPreset:
-    """A built-in preset by name, or a YAML preset file by path; ConfigError otherwise."""
+    """A built-in preset by name, or a YAML preset file by path; ConfigError otherwise.
+
+    A file is read like the config file (a regular file of at most 1 MiB, never blocking on a
+    FIFO); it can take a while to parse, so callers on the event loop run this in a thread.
+    """
     if preset in preset_names():
         label = f"preset {preset}"
-        text = _preset_dir().joinpath(f"{preset}.yaml").read_text(encoding="utf-8")
+        data = _preset_dir().joinpath(f"{preset}.yaml").read_bytes()
         stem = preset
     else:
         path = Path(preset).expanduser()
@@ -174,13 +179,12 @@ def load_preset(preset: str) -> LoadedPreset:
             known = ", ".join(preset_names())
             raise ConfigError(f"unknown preset {preset!r} (known presets: {known}; or give a path to a YAML file)")
         label = f"preset file {path}"
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read {label}: {exc.strerror or exc}") from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{label} is not UTF-8 text (bad byte at offset {exc.start})") from exc
+        data = read_file_bounded(path, label=label)
         stem = path.stem
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{label} is not UTF-8 text (bad byte at offset {exc.start})") from exc
     spec = parse_preset(text, label)
     return LoadedPreset(key=spec.name or stem, label=label, spec=spec)
 

@@ -20,7 +20,7 @@ from agent.errors import AgentError, DeviceNotFoundError
 from agent.health.model import Signal, SignalKind
 from agent.inventory.backend import SignalSink
 from agent.inventory.model import Inventory
-from agent.inventory.preset import build_inventory, load_preset, preset_names
+from agent.inventory.preset import LoadedPreset, build_inventory, load_preset, preset_names
 
 log = structlog.get_logger("agent.inventory.simulated")
 
@@ -50,15 +50,22 @@ class SimulatedBackend:
         return None
 
     def _build(self) -> Inventory:
-        loaded = load_preset(self._preset)
+        loaded, inventory = self._read()
         self.preset_key, self.description = loaded.key, loaded.spec.description
-        return build_inventory(loaded.spec, preset_key=loaded.key, node_name=self._node_name, label=loaded.label)
+        return inventory
+
+    def _read(self) -> tuple[LoadedPreset, Inventory]:
+        loaded = load_preset(self._preset)
+        inventory = build_inventory(loaded.spec, preset_key=loaded.key, node_name=self._node_name, label=loaded.label)
+        return loaded, inventory
 
     async def load(self) -> Inventory:
         """The node's devices. A preset *file* is read again, so editing it simulates a change
-        of hardware (MIG reconfiguration, a GPU gone); a bad edit raises ConfigError."""
+        of hardware (MIG reconfiguration, a GPU gone); a bad edit raises ConfigError. The file
+        is read and parsed in a worker thread (up to 1 MiB of YAML)."""
         if self._preset not in preset_names():
-            self._inventory = self._build()
+            loaded, self._inventory = await asyncio.to_thread(self._read)
+            self.preset_key, self.description = loaded.key, loaded.spec.description
         return self._inventory
 
     async def close(self) -> None:

@@ -8,6 +8,8 @@ Every refusal is an :class:`AllocationError` whose kind says which gRPC status i
 request                                           kind
 ================================================  ===================
 no container requests / a container with no IDs   INVALID_ARGUMENT
+more than MAX_CONTAINER_REQUESTS containers, or   INVALID_ARGUMENT
+more IDs in one list than the resource has
 the same ID twice in one container                INVALID_ARGUMENT
 the same ID in two containers of one request      INVALID_ARGUMENT
 an ID this resource never lists                   INVALID_ARGUMENT
@@ -46,6 +48,8 @@ VOLUME_MOUNT_HOST_PATH = "/dev/null"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 #: the plugin part of the CDI annotation key (key name part stays under 63 characters)
 CDI_PLUGIN_NAME = "gpu-node-agent"
+#: the kubelet sends exactly one container request per call; the protocol allows more
+MAX_CONTAINER_REQUESTS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,29 @@ class ContainerAllocation:
     cdi_devices: tuple[str, ...] = ()
 
 
+def check_request_size(resource: Resource, containers: Sequence[Sequence[Sequence[str]]], what: str) -> None:
+    """Refuse a request too large to be real before any per-ID work (AllocationError).
+
+    ``containers`` holds, per container request, its ID lists (Allocate: the devices;
+    GetPreferredAllocation: available and must-include). A list longer than the resource has
+    devices must repeat or invent IDs; the kubelet sends one container request per call.
+    """
+    name = resource.name
+    if len(containers) > MAX_CONTAINER_REQUESTS:
+        raise AllocationError(
+            ErrorKind.INVALID_ARGUMENT,
+            f"{what} {name}: {len(containers)} container requests, at most {MAX_CONTAINER_REQUESTS} in one call",
+        )
+    have = len(resource.by_id)
+    for lists in containers:
+        for ids in lists:
+            if len(ids) > have:
+                raise AllocationError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"{what} {name}: {len(ids)} device IDs in one list, but the resource has {have} devices",
+                )
+
+
 def resolve_ids(
     resource: Resource,
     ids: Sequence[str],
@@ -77,6 +104,7 @@ def resolve_ids(
     name = resource.name
     if not ids:
         raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"{what} {name}: empty device list")
+    check_request_size(resource, [[ids]], what)
     dups = sorted(i for i, n in Counter(ids).items() if n > 1)
     if dups:
         raise AllocationError(
@@ -164,6 +192,7 @@ class Allocator:
         """One allocation per container request, in order; all validated before any is built."""
         if not requests:
             raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"allocate {resource.name}: no container requests")
+        check_request_size(resource, [[ids] for ids in requests], "allocate")
         resolved = [resolve_ids(resource, ids, ownership=ownership, health=health) for ids in requests]
         shared = _shared_between_containers(requests)
         if shared:

@@ -113,8 +113,12 @@ class PodResourcesClient:
         return {name: tuple(ids) for name, ids in out.items()}
 
     async def _call(self, call: Callable[[pb.PodResourcesListerStub], Awaitable[T]]) -> T:
-        if not self.socket.exists():
-            raise PodResourcesError(f"no PodResources socket at {self.socket} (is the kubelet running?)")
+        try:
+            self.socket.lstat()
+        except FileNotFoundError:
+            raise PodResourcesError(f"no PodResources socket at {self.socket} (is the kubelet running?)") from None
+        except OSError as exc:  # an unreadable kubelet directory (not root), a file in the way
+            raise PodResourcesError(f"cannot look for the PodResources socket {self.socket}: {exc.strerror}") from exc
         channel = Channel(path=str(self.socket))
         try:
             return await call(pb.PodResourcesListerStub(channel))

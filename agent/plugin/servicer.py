@@ -1,13 +1,17 @@
 """The ``v1beta1.DevicePlugin`` gRPC service: a translator between protobuf and the domain.
 
-Each RPC runs inside :func:`_rpc`, which binds ``request_id``, ``method`` and ``resource`` to
-structlog's contextvars and maps domain errors onto gRPC statuses:
+Each unary RPC runs inside :func:`_rpc` from receiving its request to answering, which binds
+``request_id``, ``method`` and ``resource`` to structlog's contextvars, records the call in
+the RPC metrics (result: ``ok``, the status in kebab case, or ``aborted``) and maps domain
+errors onto gRPC statuses:
 
 * :class:`AllocationError` ``INVALID_ARGUMENT`` -> ``Status.INVALID_ARGUMENT``
 * :class:`AllocationError` ``FAILED_PRECONDITION`` -> ``Status.FAILED_PRECONDITION``
 
-Refusals are logged (warning) with the device IDs; the server keeps serving. Anything else
-escaping a handler is a bug: logged with its traceback and answered ``INTERNAL``.
+Refusals are logged (warning) with the device IDs cut short; the server keeps serving. A request
+that cannot be received (too large, malformed, truncated: see :mod:`agent.grpclimits`) is counted
+with its status. Anything else escaping a handler is a bug: logged with its traceback and
+answered ``INTERNAL``.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import grpclib.const
 import structlog
 from grpclib import GRPCError
 from grpclib.const import Status
+from grpclib.exceptions import StreamTerminatedError
 from grpclib.server import Stream
 
 from agent._proto.deviceplugin import v1beta1 as pb
-from agent.plugin.allocate import ContainerAllocation
-from agent.plugin.errors import AllocationError, ErrorKind
+from agent.grpclimits import cut, status_label
+from agent.plugin.allocate import ContainerAllocation, check_request_size
+from agent.plugin.errors import AllocationError, ErrorKind, short_ids
 from agent.plugin.resources import DeviceState
 from agent.plugin.service import PreferredRequest, ResourceService
 
@@ -97,22 +103,31 @@ class DevicePluginServicer:
                 yield
             except AllocationError as exc:
                 result = exc.kind.value
-                log.warning("request refused", error=str(exc), device_ids=list(exc.device_ids), status=exc.kind.value)
-                raise GRPCError(_STATUS[exc.kind], str(exc)) from exc
-            except (GRPCError, asyncio.CancelledError):
+                log.warning(
+                    "request refused",
+                    error=cut(str(exc)),
+                    device_ids=short_ids(exc.device_ids),
+                    device_count=len(exc.device_ids),
+                    status=exc.kind.value,
+                )
+                raise GRPCError(_STATUS[exc.kind], cut(str(exc))) from exc
+            except GRPCError as exc:  # refused while receiving; the gate logged it
+                result = status_label(exc.status)
+                raise
+            except (asyncio.CancelledError, StreamTerminatedError):  # the client went away
                 result = "aborted"
                 raise
             except Exception as exc:
                 result = "internal"
                 log.exception("request failed")
-                raise GRPCError(Status.INTERNAL, f"{method}: internal error: {exc}") from exc
+                raise GRPCError(Status.INTERNAL, f"{method}: internal error: {cut(str(exc), 200)}") from exc
             finally:
                 if self._observe is not None:
                     self._observe(method, result, time.perf_counter() - started)
 
     async def _unary(self, stream: Stream[Any, Any], method: str, handle: Callable[[Any], Awaitable[Any]]) -> None:
-        request = await stream.recv_message()
         async with self._rpc(method):
+            request = await stream.recv_message()
             response = await handle(request)
         await stream.send_message(response)
 
@@ -167,6 +182,11 @@ class DevicePluginServicer:
         self, stream: Stream[pb.PreferredAllocationRequest, pb.PreferredAllocationResponse]
     ) -> None:
         async def handle(request: pb.PreferredAllocationRequest) -> pb.PreferredAllocationResponse:
+            check_request_size(
+                self.service.resource,
+                [[r.available_device_i_ds, r.must_include_device_i_ds] for r in request.container_requests],
+                "preferred allocation",
+            )
             requests = [
                 PreferredRequest(
                     available=list(r.available_device_i_ds),
