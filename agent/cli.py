@@ -254,7 +254,15 @@ async def _run(options: Any) -> int:
 
 
 def _hard_exit() -> None:
-    log.error("shutdown did not finish in time, exiting")
+    # name what held the shutdown up: the one line an operator (or a developer) needs
+    stuck = []
+    for task in asyncio.all_tasks():
+        if task.done() or task is asyncio.current_task():
+            continue
+        frames = task.get_stack(limit=1)
+        where = f"{frames[0].f_code.co_filename.rsplit('/', 2)[-1]}:{frames[0].f_lineno}" if frames else "?"
+        stuck.append(f"{task.get_name()} at {where}")
+    log.error("shutdown did not finish in time, exiting", still_running=sorted(stuck)[:20])
     logging.shutdown()
     os._exit(1)
 

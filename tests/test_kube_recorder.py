@@ -113,3 +113,24 @@ async def test_api_failures_are_counted_and_logged_once(api: FakeApiServer, tmp_
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) == 1 and "create on events" in warnings[0]["event"]
     assert recorder.last_error == ""
+
+
+async def test_cancel_arriving_with_an_event_still_stops_the_drain_task(api: FakeApiServer, tmp_path: Path) -> None:
+    """On 3.11 ``wait_for`` could swallow a cancellation that arrived as the queue answered, and
+    the agent's shutdown then waited for this task until its hard deadline."""
+    async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
+        recorder = EventRecorder(client=client, node_name=NODE, repeat_interval_s=3600.0)
+        task = asyncio.create_task(recorder.run())
+        recorder.normal("R", "m")
+        recorder.normal("R", "m")  # a repeat waits for its interval: the task now waits with a timeout
+        await until(lambda: len(api.events) == 1 and recorder.debug_state()["queued"] == 0, "created")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for i in range(50):
+            task = asyncio.create_task(recorder.run())
+            await asyncio.sleep(0)  # the task now waits on the queue, with a timeout
+            recorder.normal("R", f"m{i}")  # wakes it ...
+            task.cancel()  # ... in the same loop step as the cancellation
+            with pytest.raises(asyncio.CancelledError):
+                async with asyncio.timeout(TIMEOUT):
+                    await task

@@ -154,11 +154,12 @@ class ExecPlugin:
             raise KubeError(f"{self._what} cannot be started: {exc.strerror or exc}", recoverable=True) from exc
         try:
             assert proc.stdout is not None and proc.stderr is not None
-            out, err = await asyncio.wait_for(
-                asyncio.gather(_read_bounded(proc.stdout, self._max_output), _read_bounded(proc.stderr, 4096)),
-                self._timeout_s,
-            )
-            code = await asyncio.wait_for(proc.wait(), self._timeout_s)
+            # asyncio.timeout, not wait_for, which on 3.11 can swallow a cancellation
+            async with asyncio.timeout(self._timeout_s):
+                out, err = await asyncio.gather(
+                    _read_bounded(proc.stdout, self._max_output), _read_bounded(proc.stderr, 4096)
+                )
+                code = await proc.wait()
         except TimeoutError as exc:
             raise KubeError(f"{self._what} did not finish within {self._timeout_s:g}s", recoverable=True) from exc
         finally:
