@@ -26,7 +26,7 @@ from agent.inventory.preset import load_preset
 from tests.agentproc import run_cli
 
 #: a stall of seconds fails; scheduling noise of a loaded CI machine does not
-LAG_BOUND_S = 2.0  # the stalls guarded against were 3.4 s to 223 s; a loaded 2-core CI machine can delay a timer by hundreds of ms
+LAG_BOUND_S = 2.0  # the stalls guarded against lasted 3.4 s to 223 s
 
 
 @contextlib.contextmanager

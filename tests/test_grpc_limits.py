@@ -43,7 +43,7 @@ from tests.test_plugin_fakes import FakeCdi, next_message, ownership_for, short_
 
 pytestmark = pytest.mark.integration
 
-LAG_BOUND_S = 2.0  # the stalls guarded against were 3.4 s to 223 s; a loaded 2-core CI machine can delay a timer by hundreds of ms
+LAG_BOUND_S = 2.0  # the stalls guarded against lasted 3.4 s to 223 s
 OK, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNIMPLEMENTED, RESOURCE_EXHAUSTED = 0, 3, 4, 12, 8
 
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.integration
 #: the DaemonSet's memory limit (config/daemonset.yaml)
 RSS_LIMIT_BYTES = 128 * 1024 * 1024
 #: a stall of seconds fails; the noise of a loaded 2-core CI machine does not
-LAG_BOUND_S = 2.0  # the stalls guarded against were 3.4 s to 223 s; a loaded 2-core CI machine can delay a timer by hundreds of ms
+LAG_BOUND_S = 2.0  # the stalls guarded against lasted 3.4 s to 223 s
 SOCKET = "gpu-node-agent-nvidia-gpu.sock"
 
 
