@@ -126,8 +126,6 @@ class Agent:
         self.debug_port = 0
         #: labels read from the Node object; the config's node_labels win over them
         self.api_labels: dict[str, str] = {}
-        #: set when a config file is watched; re-checked when the node changes under it
-        self.config_watcher: ConfigWatcher | None = None
         #: the only writer of grants: desired owners become granted once the old owner let go
         self.handover = Handover(
             ownership=ownership,
@@ -189,10 +187,6 @@ class Agent:
 
     def backend_state(self) -> dict[str, object]:
         return {"name": self.backend.name, **self.backend.status()}
-
-    def validate(self, loaded: LoadedConfig) -> None:
-        """Reject a candidate config that cannot apply to this node (raises ConfigError)."""
-        self.compute_ownership(loaded)
 
     def readiness(self) -> dict[str, Readiness]:
         """Check name -> result, for /readyz and the ``ready`` event."""
@@ -317,7 +311,6 @@ class Agent:
         self.health.set_inventory(inventory)
         self._recompute_ownership("inventory changed", inventory)
         self.inventories.update(inventory)
-        self._retry_config()
 
     async def follow_labels(self) -> None:
         """Watch the Node's labels while the node has GPUs (a node without GPUs talks to nobody)."""
@@ -330,7 +323,6 @@ class Agent:
         """The Node's labels changed (a pool relabelled): ownership rules may now match differently."""
         self.api_labels = labels
         self._recompute_ownership("node labels changed")
-        self._retry_config()
 
     async def serve(self, name: str, mechanism: Mechanism) -> None:
         """Run one mechanism, once ownership can be trusted (labels known when rules use them)."""
@@ -339,10 +331,6 @@ class Agent:
             await self.labels.synced.wait()
             self._recompute_ownership("node labels known")
         await mechanism.run()
-
-    def _retry_config(self) -> None:
-        if self.config_watcher is not None:
-            self.config_watcher.retry()
 
     def _recompute_ownership(self, reason: str, inventory: Inventory | None = None) -> None:
         """Desired owners for the current config, inventory and labels, handed to the handover."""
@@ -504,10 +492,7 @@ async def run_agent(
         if events is not None:
             roots["kube-events"] = events.run
         if options.config_path is not None:
-            watcher = ConfigWatcher(
-                path=options.config_path, overrides=options.overrides, state=config_state, validate=agent.validate
-            )
-            agent.config_watcher = watcher
+            watcher = ConfigWatcher(path=options.config_path, overrides=options.overrides, state=config_state)
             roots["config-watch"] = watcher.run
         await _supervise(roots, stop)
     log.info("stopped")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agent.config.loader import LoadedConfig, load_config, read_document
+from agent.config.loader import load_config, read_document
 from agent.config.reader import MAX_FILE_BYTES, read_file_bounded
 from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
@@ -110,10 +110,7 @@ async def test_preset_files_are_read_the_same_way(tmp_path: Path) -> None:
 
 
 def _watcher(path: Path) -> ConfigWatcher:
-    def accept(loaded: LoadedConfig) -> None:
-        return None
-
-    return ConfigWatcher(path=path, overrides={}, state=ConfigState(load_config(path)), validate=accept)
+    return ConfigWatcher(path=path, overrides={}, state=ConfigState(load_config(path)))
 
 
 @contextlib.asynccontextmanager
@@ -154,33 +151,6 @@ async def test_a_large_config_is_parsed_off_the_loop(tmp_path: Path) -> None:
         assert await watcher.check()
     assert len(watcher._state.config.ownership.nodes) == 15_000
     assert probe.max_lag_s < LAG_BOUND_S, f"event loop blocked for {probe.max_lag_s:.2f}s"
-
-
-async def test_run_rereads_when_asked_to_retry(tmp_path: Path) -> None:
-    path = tmp_path / "config.yaml"
-    path.write_text("{}\n")
-    fits = False
-
-    def validate(loaded: LoadedConfig) -> None:
-        if loaded.config.ownership.default.value == "dra" and not fits:
-            raise ConfigError("does not fit this node yet")
-
-    watcher = ConfigWatcher(
-        path=path, overrides={}, state=ConfigState(load_config(path)), validate=validate, resync_interval_s=3600
-    )
-    path.write_text("ownership: {default: dra}\n")
-    assert not await watcher.check()
-    with watcher._state.changes.subscribe() as changes:
-        task = asyncio.create_task(watcher.run())
-        try:
-            fits = True
-            assert watcher.retry()
-            loaded = await asyncio.wait_for(changes.get(), 5)
-            assert loaded.config.ownership.default.value == "dra"
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 def test_an_agent_given_a_fifo_as_config_stops_with_one_line(tmp_path: Path) -> None:

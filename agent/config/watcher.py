@@ -10,8 +10,9 @@ stays in force.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,6 @@ from agent.errors import ConfigError
 from agent.fswatch import DirectoryWatcher
 
 log = structlog.get_logger("agent.config")
-
-#: Called with a validated candidate before it is installed; raising ConfigError rejects it
-#: (e.g. an ownership override naming a GPU this node does not have).
-Validator = Callable[[LoadedConfig], None]
 
 
 def keep_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
@@ -64,21 +61,17 @@ class ConfigWatcher:
         path: Path,
         overrides: Mapping[str, Any],
         state: ConfigState,
-        validate: Validator,
         resync_interval_s: float = 30.0,
         settle_s: float = 0.1,
     ) -> None:
         self._path = path
         self._overrides = dict(overrides)
         self._state = state
-        self._validate = validate
         self._resync_interval_s = resync_interval_s
         self._settle_s = settle_s
         # the bytes the running config was parsed from: an update that landed while the agent
         # was starting (after that parse, before this watcher existed) is still news
         self._last_bytes_digest = state.loaded.file_digest
-        self._candidate_rejected = False
-        self._wake = asyncio.Event()
         self._checking = asyncio.Lock()
 
     async def run(self) -> None:
@@ -86,7 +79,7 @@ class ConfigWatcher:
 
         After an event the watcher waits for the directory to be quiet for ``settle_s`` before
         reading, so a file written in several steps (an editor, ``cat > file``) is read whole.
-        ConfigMap updates are atomic and lose only that moment. :meth:`retry` wakes it early.
+        ConfigMap updates are atomic and lose only that moment.
         """
         async with DirectoryWatcher(self._path.parent) as watcher:
             while True:
@@ -94,15 +87,10 @@ class ConfigWatcher:
                 await self.check()
 
     async def _next_trigger(self, watcher: DirectoryWatcher) -> None:
-        """Return once a change has settled, a retry is asked for, or the resync interval passed."""
-        waits = {asyncio.ensure_future(self._settled_change(watcher)), asyncio.ensure_future(self._wake.wait())}
-        try:
-            await asyncio.wait(waits, timeout=self._resync_interval_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        self._wake.clear()
+        """Return once a change has settled or the resync interval passed."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self._resync_interval_s):
+                await self._settled_change(watcher)
 
     async def _settled_change(self, watcher: DirectoryWatcher) -> None:
         await anext(watcher)
@@ -117,7 +105,9 @@ class ConfigWatcher:
         """Re-read the file if its bytes changed; returns whether a new config was installed.
 
         Reading and parsing run in a worker thread: the file is at most 1 MiB, but YAML that
-        size takes seconds to parse. Validation against the node and installing run here.
+        size takes seconds to parse. Installing runs here. Nothing about the node can make a
+        valid file invalid (an override naming a GPU the node lacks is inert, not an error), so
+        a file is judged by its bytes alone.
         """
         async with self._checking:
             candidate = await asyncio.to_thread(self._read, self._last_bytes_digest, self._state.config)
@@ -133,9 +123,7 @@ class ConfigWatcher:
                         "config fields changed that take effect only on restart; keeping the running values",
                         fields=list(candidate.restart_only),
                     )
-                self._validate(candidate.loaded)
             except ConfigError as exc:
-                self._candidate_rejected = True
                 self._state.reject(str(exc))
                 log.error(
                     "config update rejected, keeping the last good config",
@@ -144,23 +132,10 @@ class ConfigWatcher:
                     path=str(self._path),
                 )
                 return False
-            self._candidate_rejected = False
             installed = self._state.accept(candidate.loaded)
             if installed:
                 log.info("config update applied", version=candidate.loaded.version, path=str(self._path))
             return installed
-
-    def retry(self) -> bool:
-        """The node changed (inventory, labels): a file rejected only because it did not fit
-        the node may fit now, so read it again even though its bytes are the same.
-
-        Returns whether a re-read is due; :meth:`run` does it soon after (or call :meth:`check`).
-        """
-        if not self._candidate_rejected:
-            return False
-        self._last_bytes_digest = ""
-        self._wake.set()
-        return True
 
     def _read(self, last_digest: str, running: Config) -> _Candidate | None:
         """Worker thread: the file's bytes made into a candidate; None when they are unchanged."""
