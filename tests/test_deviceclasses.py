@@ -1,9 +1,9 @@
 """The DeviceClasses under config/ compile as Kubernetes CEL and select the right devices.
 
-DEVICES mirrors what the agent publishes (README, "Operating it": attributes under the driver's
-domain, the NVIDIA DRA driver's vocabulary, capacity ``memory``) for the simulated presets plus
-an H200 and another driver's GPU. Once the DRA publisher lands, the same checks run on its real
-output through :func:`tests.cel_eval.devices_from_resource_slice`.
+DEVICES is a hand-written fleet in the published shape (attributes under the driver's domain,
+the NVIDIA DRA driver's vocabulary, capacity ``memory``) with an H200 and another driver's GPU;
+:func:`test_classes_select_from_what_the_publisher_really_writes` runs the classes against the
+publisher's own slices for every simulated preset, in v1 and v1beta1 shape.
 """
 
 from __future__ import annotations
@@ -244,3 +244,61 @@ def test_invalid_semver_is_refused(text: str) -> None:
     # NVML's driver version 570.124.06 has a leading zero: it must be published as 570.124.6
     with pytest.raises(ValueError, match="not a semantic version"):
         Semver.parse(text)
+
+
+def _published(preset: str, version: str = "v1") -> list[dict[str, Any]]:
+    """What the agent's publisher writes for a simulated preset, every GPU given to DRA."""
+    import asyncio
+
+    from agent.config.schema import HealthConfig
+    from agent.dra.devices import dra_devices
+    from agent.dra.slice_json import slice_body
+    from agent.dra.slices import pool_devices, split
+    from agent.inventory.simulated import SimulatedBackend
+
+    inventory = asyncio.run(SimulatedBackend(preset=preset, node_name="n", health=HealthConfig()).load())
+    devices = pool_devices(
+        dra_devices(inventory), granted=lambda _: True, unhealthy_cause=lambda _: None, driver=DOMAIN, taints=False
+    )
+    out: list[dict[str, Any]] = []
+    for part in split(devices):
+        body = slice_body(
+            version, node="n", node_uid="u", driver=DOMAIN, generation=1, count=1, devices=part, generate_name="n-"
+        )
+        out.extend(devices_from_resource_slice(body))
+    return out
+
+
+@pytest.mark.parametrize("version", ["v1", "v1beta1"])
+@pytest.mark.parametrize("preset", ["h100-8x-nvlink", "a100-4x-mig", "workstation-2x-pcie"])
+def test_classes_select_from_what_the_publisher_really_writes(preset: str, version: str) -> None:
+    """The classes against the publisher's own output for every simulated preset; what each must
+    select is worked out from the published attributes in plain Python, not by CEL."""
+    published = _published(preset, version)
+    assert published
+
+    def attrs(d: dict[str, Any]) -> dict[str, Any]:
+        """Attribute values without their type wrapper ({"string": "gpu"} -> "gpu")."""
+        return {k: next(iter(v.values())) if isinstance(v, dict) else v for k, v in d["attributes"][DOMAIN].items()}
+
+    def memory_bytes(d: dict[str, Any]) -> float:
+        return float(Quantity.parse(str(d["capacity"][DOMAIN]["memory"])).value)
+
+    whole = [d["name"] for d in published if attrs(d)["type"] == "gpu"]
+    wanted = {
+        "gpu.gpu-node-agent.nvidia.com": whole,
+        "gpu-extended-resource.gpu-node-agent.nvidia.com": whole,
+        "gpu-80gb.gpu-node-agent.nvidia.com": [
+            d["name"] for d in published if attrs(d)["type"] == "gpu" and memory_bytes(d) >= 80e9
+        ],
+        "h100-80gb-hbm3.gpu-node-agent.nvidia.com": [
+            d["name"]
+            for d in published
+            if attrs(d)["type"] == "gpu" and attrs(d)["productName"] == "NVIDIA H100 80GB HBM3"
+        ],
+        "mig-1g.5gb.gpu-node-agent.nvidia.com": [
+            d["name"] for d in published if attrs(d)["type"] == "mig" and attrs(d).get("profile") == "1g.5gb"
+        ],
+    }
+    for name, cls in _device_classes().items():
+        assert [d["name"] for d in select(cls, published)] == wanted[name], name
