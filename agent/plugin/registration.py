@@ -8,6 +8,7 @@ first) or a timer of its own fires, asks :func:`decide`, and takes the one :clas
 observed                                                  step
 ========================================================  ===========================
 not serving                                               START (serve, Register)
+the watchdog asked for a repair                           RESTART (stop, serve, Register)
 the kubelet holds a ListAndWatch stream of this run       IDLE: registered
 our socket file is gone or replaced                       RESTART (stop, serve, Register)
 Register accepted, the stream not open yet, within bound  WAIT for the stream
@@ -24,6 +25,12 @@ stream of ours, so never while the kubelet may still be ending an older one — 
 a real kubelet dropped the new connection. IDLE wins over a missing socket file: the kubelet
 only dials the socket inside Register, and the restart that needs a new file ends the stream
 first.
+
+A watchdog repair (``agent/watchdog.py``: the kubelet's allocatable devices or the Node's status
+disagree with what this server lists, for longer than the kubelet needs to catch up) outranks
+IDLE: the kubelet may hold a stream of ours and still count the wrong devices. It is the same
+RESTART as a lost socket: our streams end before the new run registers, so the kubelet handles
+the end of the old stream first.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Observation:
     stream_deadline: float | None = None
     #: earliest time for the next attempt after a failure (None: now)
     retry_at: float | None = None
+    #: why the watchdog asked for a repair ("" when it did not)
+    repair: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +79,8 @@ def decide(seen: Observation) -> Step:
     retry_due = seen.retry_at is None or seen.now >= seen.retry_at
     if not seen.serving:
         return Step(Action.START, "not serving") if retry_due else Step(Action.WAIT, until=seen.retry_at)
+    if seen.repair:
+        return Step(Action.RESTART, f"watchdog: {seen.repair}")
     if seen.kubelet_stream_open:
         return Step(Action.IDLE)
     if not seen.socket_present:

@@ -104,6 +104,9 @@ class PluginServer:
         self._register_failures = 0
         self._unanswered = 0  # accepted Registers in a row whose stream never came
         self._waiting = False
+        #: the watchdog's reason for a repair, until the next pass restarts the run
+        self._repair = ""
+        self.repairs = 0
         self.last_error = ""
         self.last_restart_reason = ""
         self.attempts = 0  # Register calls since the last accepted one
@@ -145,6 +148,11 @@ class PluginServer:
         self._retry_at = None
         self._wake.set()
 
+    def request_repair(self, reason: str) -> None:
+        """The watchdog saw the kubelet disagree with us: restart and register at the next pass."""
+        self._repair = reason or "the kubelet disagrees with the devices we list"
+        self.wake()
+
     def update(self, resource: Resource, *, config: PluginConfig, inventory: Inventory, scorer: TopologyScorer) -> None:
         """Adopt a re-planned resource of the same name in place (inventory or plugin config changed).
 
@@ -169,6 +177,14 @@ class PluginServer:
         """The devices this server offers the kubelet now (none while it is not serving)."""
         return self._run.service.devices() if self._run is not None and self.serving else []
 
+    def kubelet_view(self) -> frozenset[str]:
+        """The device IDs the kubelet should count as allocatable now: the healthy ones we list,
+        while it holds our stream; none otherwise (the kubelet marks a plugin's devices unhealthy
+        the moment its stream ends)."""
+        if not self.registered:
+            return frozenset()
+        return frozenset(d.device.id for d in self.advertised() if d.healthy)
+
     def debug_state(self) -> dict[str, object]:
         run = self._run
         devices = run.service.devices() if run is not None else []
@@ -187,6 +203,7 @@ class PluginServer:
             "healthy_count": sum(1 for d in devices if d.healthy),
             "open_streams": self.open_streams,
             "reconcile_passes": self.passes,
+            "watchdog_repairs": self.repairs,
         }
 
     # --- the loop -----------------------------------------------------------------------
@@ -216,6 +233,7 @@ class PluginServer:
             stream_seen=run is not None and run.link.stream_seen,
             stream_deadline=self._stream_deadline,
             retry_at=self._retry_at,
+            repair=self._repair,
         )
 
     async def _take(self, step: Step) -> float | None:
@@ -225,6 +243,9 @@ class PluginServer:
             return None
         if step.action is Action.WAIT:
             return step.until
+        if step.action in (Action.START, Action.RESTART) and self._repair:
+            self._repair = ""
+            self.repairs += 1
         if step.action is Action.RESTART:
             self.last_restart_reason = step.reason
             log.info("restarting device plugin server", reason=step.reason)
@@ -271,6 +292,7 @@ class PluginServer:
             await self._run.start(self_check_s=self._timeouts.self_check_s)
         except Exception as exc:  # StartupError, a self-check that fails or times out
             self._start_failures += 1
+            self._metrics.serve_errors.labels(self.resource.name).inc()
             self.last_error = f"serve on {self.socket_path}: {exc}"
             delay = self._backoff.delay(self._start_failures)
             log.warning(
