@@ -2,6 +2,9 @@
 
 Field names that tools and tests rely on (DESIGN.md): ``devices[].uuid/index/owner/health/mig``
 and ``config.version/source/last_error``; more fields may be added, none removed.
+``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail`` and
+``devices[].utilization`` (``gpu_percent``, ``memory_used_mib``, ``memory_total_mib``: numbers, or
+null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans`` and ``watchdog``.
 
 The document is built from an :class:`AgentView`, the read-only face of the running agent;
 mechanisms appear only through :class:`~agent.mechanism.Mechanism`.
@@ -22,6 +25,7 @@ from agent.inventory.model import Gpu
 from agent.inventory.render import topology_map
 from agent.inventory.state import InventoryState
 from agent.mechanism import Mechanism, Usage
+from agent.observability import Observers
 from agent.ownership import OwnershipState
 
 
@@ -34,6 +38,7 @@ class AgentView(Protocol):
     ownership: OwnershipState
     config_state: ConfigState
     cdi: CdiProvider
+    observers: Observers
 
     @property
     def status(self) -> str: ...
@@ -88,6 +93,7 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
             for (name, mechanism), u in zip(agent.mechanisms.items(), usage.values(), strict=True)
         },
         "cdi": agent.cdi.debug_state(),
+        **agent.observers.debug_state(),
     }
     # the device plugin's section under its historical key, for tools written against it
     if "device-plugin" in state["mechanisms"]:
@@ -123,6 +129,8 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
         "health": agent.health.state(gpu.uuid).value,
         "health_detail": record.as_dict() if record else None,
         "holders": {name: [h.as_dict() for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known},
+        "xids": {str(x): n for x, n in sorted(agent.health.xid_counts(gpu.uuid).items())},
+        "utilization": agent.observers.utilization.get(gpu.uuid).as_dict(),
         "mig_enabled": gpu.mig_enabled,
         "mig": [
             {
@@ -133,6 +141,7 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
                 "compute_instance_id": mig.compute_instance_id,
                 "memory_mib": mig.memory_mib,
                 "health": agent.health.state(mig.uuid).value,
+                "utilization": agent.observers.utilization.get(mig.uuid).as_dict(),
             }
             for mig in gpu.mig_devices
         ],
