@@ -167,6 +167,9 @@ class OrphanDetector:
         for kind in OrphanKind:
             self._gauge.labels(kind=kind.value).set(0)
             self._found.labels(kind=kind.value)
+        for subject in ("pod", "claim"):
+            for state in PodState:
+                self._lookup_counter.labels(subject=subject, answer=state.value)
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -249,6 +252,7 @@ class OrphanDetector:
             del self._answers[stale]
         budget = self._config.config.orphans.max_lookups
         chosen = sorted(wanted, key=self._priority)[:budget]
+        self.last_error = ""
         refs = {("claim", r.namespace, r.name, r.uid): r for r in claims}
         results = await asyncio.gather(*(self._ask(subject, refs.get(subject)) for subject in chosen))
         for subject, answer in zip(chosen, results, strict=True):

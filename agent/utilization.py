@@ -159,7 +159,7 @@ class UtilizationSampler:
         limit = self.interval_s * self._config.config.metrics.utilization_stale_intervals
         if age > limit:
             why = f": {self.last_error}" if self.last_error else ""
-            return Utilization(None, age_s=age, reason=f"the newest reading is {age:.0f}s old{why}")
+            return Utilization(None, age_s=age, reason=f"the newest reading is {age:.1f}s old{why}")
         sample = self._samples.get(uuid)
         if sample is None:
             return Utilization(None, age_s=age, reason="the backend could not read this device")
