@@ -85,27 +85,26 @@ class Setup:
 
 @contextlib.asynccontextmanager
 async def setup(tmp_path: Path, *, cdi_dir: Path | None = None, **orphans: object) -> AsyncIterator[Setup]:
-    async with serving() as api:
-        async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
-            pods = KubePods(client)
-            plugin, dra, claims, events, registry = (
-                Holding(),
-                Holding(),
-                FakeClaimSource(),
-                Events(),
-                CollectorRegistry(),
-            )
-            detector = OrphanDetector(
-                mechanisms={"device-plugin": plugin, "dra": dra},  # type: ignore[dict-item]
-                pods=pods,
-                claims=claims,
-                config=config(**orphans),
-                cdi_dir=cdi_dir,
-                claim_kind=KIND,
-                events=events,
-                registry=registry,
-            )
-            yield Setup(api, pods, plugin, dra, claims, events, registry, detector)
+    async with serving() as api, KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
+        pods = KubePods(client)
+        plugin, dra, claims, events, registry = (
+            Holding(),
+            Holding(),
+            FakeClaimSource(),
+            Events(),
+            CollectorRegistry(),
+        )
+        detector = OrphanDetector(
+            mechanisms={"device-plugin": plugin, "dra": dra},  # type: ignore[dict-item]
+            pods=pods,
+            claims=claims,
+            config=config(**orphans),
+            cdi_dir=cdi_dir,
+            claim_kind=KIND,
+            events=events,
+            registry=registry,
+        )
+        yield Setup(api, pods, plugin, dra, claims, events, registry, detector)
 
 
 async def test_a_pod_the_api_server_no_longer_has_is_reported_on_the_second_check(tmp_path: Path) -> None:

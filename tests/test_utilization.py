@@ -100,9 +100,7 @@ async def test_nvml_readings_through_each_gpus_own_handle(tmp_path: Path) -> Non
         assert samples[fake.gpus[0].uuid].gpu_percent == 0.0
         assert "nvmlDeviceGetHandleByUUID" not in fake.call_names()  # never by UUID (GPU_IS_LOST rule)
         # the reading ran in a thread of its own, not on the loop's thread
-        assert threading.get_ident() not in {
-            tid for name, tid in fake.calls if name == "nvmlDeviceGetUtilizationRates"
-        }
+        assert threading.get_ident() not in {tid for name, tid in fake.calls if name == "nvmlDeviceGetUtilizationRates"}
     finally:
         await backend.close()
 
