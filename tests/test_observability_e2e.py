@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.agentproc import AgentProcess, run_cli
+from tests.agentproc import AgentProcess, run_cli, wait_for
 from tests.fake_apiserver import NODE, FakeApiServer, serving, write_kubeconfig
 from tests.fake_podresources import FakePodResources
 from tests.test_plugin_fakes import short_tmpdir
@@ -27,9 +27,8 @@ watchdog: {interval_s: 0.1}
 
 
 async def eventually(check: Callable[[], object], what: str, within_s: float = 15.0) -> None:
-    async with asyncio.timeout(within_s):
-        while not await asyncio.to_thread(check):
-            await asyncio.sleep(0.05)
+    """Wait for a condition that HTTP answers, off the loop (the fakes serve on it)."""
+    await asyncio.to_thread(wait_for, check, within_s, what)
 
 
 def samples(agent: AgentProcess, name: str) -> list[dict[str, str]]:
