@@ -158,6 +158,7 @@ class Agent:
                 utilization=self.observers.utilization,
                 config=config_state,
                 pod_uid=self.observers.orphans.pod_uid,
+                claim_pods=self.observers.orphans.claim_pods,
             )
         )
 

@@ -182,6 +182,11 @@ class OrphanDetector:
         answer = self._answers.get(("pod", namespace, name, ""))
         return answer.uid if answer is not None else ""
 
+    def claim_pods(self, namespace: str, name: str, uid: str) -> tuple[tuple[str, str], ...]:
+        """(pod name, pod UID) a held claim is reserved for, as last read (empty until read)."""
+        answer = self._answers.get(("claim", namespace, name, uid))
+        return answer.reserved_for if answer is not None and answer.state is PodState.PRESENT else ()
+
     def debug_state(self) -> dict[str, object]:
         listed = [o.as_dict(self._since.get(o.key, "")) for o in list(self._orphans.values())[:MAX_LISTED]]
         counts = {kind.value: 0 for kind in OrphanKind}

@@ -19,6 +19,7 @@ from agent.cdi.service import NullCdiService
 from agent.config.loader import LoadedConfig, build_config
 from agent.config.schema import Owner
 from agent.config.state import ConfigState
+from agent.debug.gpu_metrics import GpuCollector
 from agent.health.model import Signal, SignalKind
 from agent.health.monitor import HealthMonitor
 from agent.inventory.simulated import SimulatedBackend
@@ -138,6 +139,29 @@ def test_holders_are_an_info_metric_to_join_on(node: Node) -> None:
     }
     assert holders[node.uuids[7]]["claim"] == "c1" and holders[node.uuids[7]]["claim_uid"] == "claim-uid"
     assert holders[node.uuids[7]]["mechanism"] == "dra" and holders[node.uuids[7]]["pod"] == ""
+
+
+def test_a_claim_gets_one_holder_series_per_pod_it_is_reserved_for(node: Node) -> None:
+    node.dra.holders = {node.uuids[7]: (Holder("claim", "ml", "shared", uid="c-uid"),)}
+    pods = {("ml", "shared", "c-uid"): (("a", "uid-a"), ("b", "uid-b"))}
+    collector = GpuCollector(
+        inventory=node.agent.inventories,
+        health=node.agent.health,
+        ownership=node.agent.ownership,
+        mechanisms=node.agent.mechanisms,
+        utilization=node.agent.observers.utilization,
+        config=node.agent.config_state,
+        claim_pods=lambda namespace, name, uid: pods.get((namespace, name, uid), ()),
+    )
+    registry = CollectorRegistry()
+    registry.register(collector)
+    rows = [
+        (s.labels["pod"], s.labels["pod_uid"], s.labels["claim"])
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "gpu_agent_gpu_holder_info"
+    ]
+    assert rows == [("a", "uid-a", "shared"), ("b", "uid-b", "shared")]
 
 
 def test_label_values_from_outside_are_escaped_and_cut(node: Node) -> None:

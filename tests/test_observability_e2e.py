@@ -74,6 +74,13 @@ async def _scenario(agent: AgentProcess, pods: FakePodResources, api: FakeApiSer
         )
 
     await eventually(held, "the holder series with the pod's UID")
+    (holder,) = (await asyncio.to_thread(agent.state))["devices"][0]["holders"]["device-plugin"]
+    assert (holder["namespace"], holder["name"], holder["uid"], holder["detail"]) == (
+        "ml",
+        "train-0",
+        "uid-train-0",
+        "main",
+    )
     result = await asyncio.to_thread(run_cli, "status", "--json", "--debug-addr", f"127.0.0.1:{agent.port}")
     assert result.returncode == 0, result.stderr
     rows = {g["uuid"]: g for g in json.loads(result.stdout)["gpus"]}

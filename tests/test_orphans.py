@@ -165,6 +165,8 @@ async def test_prepared_claims_whose_claim_or_pods_are_gone(tmp_path: Path) -> N
         assert reasons["unreserved"].startswith("no pod reserves the claim any more")
         assert s.metric("gpu_agent_orphans", kind="dra-claim") == 5
         assert len(s.events.sent) == 5
+        assert s.detector.claim_pods("ml", "live", live.uid) == (("alive", "u-alive"),)  # for the holder series
+        assert s.detector.claim_pods("ml", "deleted", deleted.uid) == ()
 
 
 async def test_cdi_claim_specs_without_a_prepared_claim(tmp_path: Path) -> None:

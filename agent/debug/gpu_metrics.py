@@ -18,7 +18,7 @@ gpu_agent_gpu_holder_info``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -59,6 +59,7 @@ class GpuCollector(Collector):
         utilization: UtilizationSource,
         config: ConfigState,
         pod_uid: Callable[[str, str], str] = lambda namespace, name: "",
+        claim_pods: Callable[[str, str, str], Sequence[tuple[str, str]]] = lambda namespace, name, uid: (),
     ) -> None:
         self._inventory = inventory
         self._health = health
@@ -67,6 +68,7 @@ class GpuCollector(Collector):
         self._utilization = utilization
         self._config = config
         self._pod_uid = pod_uid
+        self._claim_pods = claim_pods
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         yield from self._identity()
@@ -109,8 +111,8 @@ class GpuCollector(Collector):
     def _holders(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "gpu_agent_gpu_holder_info",
-            "1 per pod container (device plugin, from PodResources) or claim (DRA, from the checkpoint) that "
-            "holds a GPU; join on uuid",
+            "1 per pod container (device plugin, from PodResources) or claim (DRA, from the checkpoint, with "
+            "each pod it is reserved for once read) that holds a GPU; join on uuid",
             labels=HOLDER_LABELS,
         )
         rows: list[list[str]] = []
@@ -118,15 +120,14 @@ class GpuCollector(Collector):
             for mechanism_name, mechanism in sorted(self._mechanisms.items()):
                 usage = mechanism.usage()
                 for h in sorted(usage.holders.get(gpu.uuid, ()), key=lambda h: (h.namespace, h.name, h.detail)):
-                    if h.kind == "claim":
-                        pod, pod_uid, container, claim, claim_uid = "", "", "", h.name, h.uid
+                    if h.kind == "claim":  # one row per pod the claim is reserved for, when known
+                        pods = self._claim_pods(h.namespace, h.name, h.uid) or (("", ""),)
+                        values = [(h.namespace, pod, pod_uid, "", h.name, h.uid) for pod, pod_uid in pods]
                     else:
-                        pod, container, claim, claim_uid = h.name, h.detail, "", ""
                         pod_uid = h.uid or self._pod_uid(h.namespace, h.name)
-                    rows.append(
-                        [gpu.uuid, str(gpu.index), mechanism_name]
-                        + [_cut(v) for v in (h.namespace, pod, pod_uid, container, claim, claim_uid)]
-                    )
+                        values = [(h.namespace, h.name, pod_uid, h.detail, "", "")]
+                    for value in values:
+                        rows.append([gpu.uuid, str(gpu.index), mechanism_name] + [_cut(v) for v in value])
         limit = self._config.config.metrics.max_holder_series
         for row in rows[:limit]:
             family.add_metric(row, 1)

@@ -24,7 +24,7 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Gpu
 from agent.inventory.render import topology_map
 from agent.inventory.state import InventoryState
-from agent.mechanism import Mechanism, Usage
+from agent.mechanism import Holder, Mechanism, Usage
 from agent.observability import Observers
 from agent.ownership import OwnershipState
 
@@ -108,6 +108,17 @@ def _drain(agent: AgentView, uuid: str) -> dict[str, Any] | None:
     return {"from": drain.source.value, "to": drain.target.value, "waiting_for": drain.waiting_for}
 
 
+def _holder(agent: AgentView, holder: Holder) -> dict[str, object]:
+    """A holder as JSON; a pod's UID (PodResources has none) and a claim's pods, once the orphan check read them."""
+    out = holder.as_dict()
+    orphans = agent.observers.orphans
+    if holder.kind == "container" and not holder.uid:
+        out["uid"] = orphans.pod_uid(holder.namespace, holder.name)
+    elif holder.kind == "claim":
+        out["pods"] = [{"name": p, "uid": u} for p, u in orphans.claim_pods(holder.namespace, holder.name, holder.uid)]
+    return out
+
+
 def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str, Any]:
     record = agent.health.record(gpu.uuid)
     return {
@@ -128,7 +139,9 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
         "draining": _drain(agent, gpu.uuid),
         "health": agent.health.state(gpu.uuid).value,
         "health_detail": record.as_dict() if record else None,
-        "holders": {name: [h.as_dict() for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known},
+        "holders": {
+            name: [_holder(agent, h) for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known
+        },
         "xids": {str(x): n for x, n in sorted(agent.health.xid_counts(gpu.uuid).items())},
         "utilization": agent.observers.utilization.get(gpu.uuid).as_dict(),
         "mig_enabled": gpu.mig_enabled,
