@@ -10,7 +10,8 @@ other side cannot be read now is skipped.
 A disagreement is the kubelet or the API catching up until it lasts ``watchdog.grace_s`` (the
 kubelet posts node status every 10 s and PodResources is re-read every 10 s, so the default
 30 s leaves a margin). Past that it is *repaired* through the mechanism's own path (the device
-plugin server stops, serves and registers again; the publisher re-lists and re-publishes),
+plugin server stops, pauses so the kubelet handles the end of its stream, then serves and
+registers again; the publisher re-lists and re-publishes),
 logged once with a Warning Event, and counted. While it lasts, the repair is retried ever less
 often (every ``grace_s`` times the number of repairs so far).
 

@@ -25,7 +25,7 @@ from agent.kube.client import KubeClient
 from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, allocatable_of
 from agent.mechanism import NodeStatus, RegistrationCheck
 from agent.plugin.podresources import PodResourcesClient, PodResourcesWatcher
-from agent.plugin.registration import Action, Observation, decide
+from agent.plugin.registration import Action, Observation, Step, decide
 from agent.watchdog import Watchdog
 from tests.dra_fakes import dra_harness
 from tests.fake_apiserver import NODE, serving, write_kubeconfig
@@ -163,13 +163,18 @@ def test_an_unreadable_peer_is_not_a_disagreement() -> None:
     assert m.repairs == [] and dog.checks == 0
 
 
-def test_a_repair_request_restarts_a_registered_server() -> None:
+def test_a_repair_request_stops_a_registered_server_which_pauses_before_it_registers_again() -> None:
     seen = Observation(
         now=1.0, serving=True, socket_present=True, kubelet_stream_open=True, accepted=True, stream_seen=True
     )
     assert decide(seen).action is Action.IDLE
     step = decide(dataclasses.replace(seen, repair="the kubelet counts 0"))
-    assert step.action is Action.RESTART and step.reason == "watchdog: the kubelet counts 0"
+    assert step.action is Action.STOP and step.reason == "watchdog: the kubelet counts 0"
+    stopped = Observation(
+        now=1.0, serving=False, socket_present=False, kubelet_stream_open=False, accepted=False, stream_seen=False
+    )
+    assert decide(dataclasses.replace(stopped, paused_until=1.5)) == Step(Action.WAIT, until=1.5)
+    assert decide(dataclasses.replace(stopped, now=1.5, paused_until=1.5)).action is Action.START
 
 
 def test_node_allocatable_keeps_whole_extended_resources_only() -> None:
@@ -212,6 +217,7 @@ async def test_the_kubelet_losing_our_devices_is_repaired_by_registering_again()
         await watcher.poll()
         dog.evaluate()
         assert dog.checks == 1 and dog.debug_state()["disagreements"] == []
+        assert h.manager.debug_state()["pod_resources"]["kubelet_allocatable"] == {GPU: 8}  # type: ignore[index]
 
         process = h.kubelet.current
         assert process is not None and process.registrations(GPU) == 1
@@ -223,6 +229,7 @@ async def test_the_kubelet_losing_our_devices_is_repaired_by_registering_again()
         assert dog.repairs == 1
         await wait_for(lambda: process.registrations(GPU) == 2, what="a second registration")
         await h.settled()
+        assert process.registrations(GPU) == 2 and process.dropped_new == 0  # once, after the kubelet let go
         assert h.manager.servers[GPU].repairs == 1
         assert h.manager.servers[GPU].last_restart_reason.startswith("watchdog: the kubelet counts 0 allocatable")
 

@@ -140,6 +140,9 @@ class PluginManager:
             return Readiness(False, "device plugin not started")
         if self.ready:
             return Readiness(True)
+        repairing = [s for s in self._servers.values() if s.repairing]
+        if repairing:  # a moment between the watchdog's stop and the new registration
+            return Readiness(True, f"device plugin registering again: {repairing[0].last_restart_reason}")
         not_serving = [s for s in self._servers.values() if not s.serving]
         if not_serving:
             errors = [s.last_error for s in not_serving if s.last_error]
@@ -184,6 +187,13 @@ class PluginManager:
         """Time-sliced replicas per GPU: advertised, and held by containers."""
         return replica_counts({r.name: r for r in self._plan.resources}, self._servers, self._kubelet_answer())
 
+    def _kubelet_allocatable(self) -> dict[str, int] | None:
+        answer = self._kubelet_answer()
+        if answer is None or answer.allocatable is None:
+            return None
+        ours = {*self._servers, self._config.resource_name}
+        return {name: len(ids) for name, ids in sorted(answer.allocatable.items()) if name in ours}
+
     def _kubelet_answer(self) -> Snapshot | None:
         """The newest PodResources answer, when the newest call succeeded (None: unknown)."""
         watcher = self.pod_resources
@@ -216,6 +226,8 @@ class PluginManager:
             "calls": watcher.calls,
             "failures": watcher.failures,
             "allocatable_served": watcher.client.allocatable_served,
+            # what the kubelet counts as allocatable of ours (the watchdog compares it with what we list)
+            "kubelet_allocatable": self._kubelet_allocatable(),
             "unadvertised_ids": list(usage.unmapped),
         }
 

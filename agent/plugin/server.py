@@ -59,6 +59,9 @@ class Timeouts:
     #: how long the kubelet may take after accepting Register to open ListAndWatch (it starts
     #: the stream at once; seconds mean a kubelet in trouble) before we register again
     stream_open_s: float = 5.0
+    #: after a watchdog repair stops a run: how long before it serves and registers again, so the
+    #: kubelet has handled the end of the old stream (it takes milliseconds)
+    repair_pause_s: float = 0.5
     #: quiet time that ends a burst of wake-ups: a kubelet restart's socket wipe and new
     #: kubelet.sock, ms apart, or everything that queued while the agent was paused
     settle_s: float = 0.05
@@ -106,6 +109,7 @@ class PluginServer:
         self._waiting = False
         #: the watchdog's reason for a repair, until the next pass restarts the run
         self._repair = ""
+        self._paused_until: float | None = None
         self.repairs = 0
         self.last_error = ""
         self.last_restart_reason = ""
@@ -132,6 +136,11 @@ class PluginServer:
     @property
     def open_streams(self) -> int:
         return self._run.link.open_streams if self._run is not None else 0
+
+    @property
+    def repairing(self) -> bool:
+        """Stopped by a watchdog repair, pausing before it serves and registers again."""
+        return self._paused_until is not None
 
     @property
     def quiet(self) -> bool:
@@ -234,6 +243,7 @@ class PluginServer:
             stream_deadline=self._stream_deadline,
             retry_at=self._retry_at,
             repair=self._repair,
+            paused_until=self._paused_until,
         )
 
     async def _take(self, step: Step) -> float | None:
@@ -243,9 +253,17 @@ class PluginServer:
             return None
         if step.action is Action.WAIT:
             return step.until
-        if step.action in (Action.START, Action.RESTART) and self._repair:
+        if step.action is Action.STOP:
             self._repair = ""
             self.repairs += 1
+            self.last_restart_reason = step.reason
+            log.warning("stopping the device plugin server to register again", reason=step.reason)
+            await self._stop()
+            self._paused_until = self._clock() + self._timeouts.repair_pause_s
+            return self._paused_until
+        if step.action is Action.START:
+            self._repair = ""  # a fresh run is what a repair asks for
+            self._paused_until = None
         if step.action is Action.RESTART:
             self.last_restart_reason = step.reason
             log.info("restarting device plugin server", reason=step.reason)
