@@ -113,3 +113,21 @@ async def test_api_failures_are_counted_and_logged_once(api: FakeApiServer, tmp_
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert len(warnings) == 1 and "create on events" in warnings[0]["event"]
     assert recorder.last_error == ""
+
+
+async def test_a_stop_that_meets_a_new_event_still_stops_the_recorder(api: FakeApiServer, tmp_path: Path) -> None:
+    """On 3.11 a wait_for around the queue returned the event and swallowed the cancellation that
+    came in the same loop step: the recorder ran on and the agent never finished stopping."""
+    async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
+        recorder = EventRecorder(client=client, node_name=NODE, repeat_interval_s=60)
+        task = asyncio.create_task(recorder.run())
+        recorder.warning("Repeated", "the same thing again")
+        await until(lambda: recorder.outcomes["created"] == 1, "the first event")
+        recorder.warning("Repeated", "the same thing again")  # counted: a repeat is due in 60 s
+        await until(lambda: recorder.debug_state()["queued"] == 0, "the repeat counted")
+        for _ in range(3):
+            await asyncio.sleep(0)  # the recorder waits for the next event or the repeat
+        recorder.warning("Another", "event")  # arrives in the same loop step as the stop
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=TIMEOUT)
+        assert done, "the recorder swallowed its cancellation"

@@ -18,6 +18,7 @@ once per failure streak, and nothing is retried beyond the next repeat.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -123,13 +124,12 @@ class EventRecorder:
         """Drain the queue until cancelled."""
         while True:
             due = self._next_flush()
-            try:
-                if due is None:
-                    item: _Item | None = await self._queue.get()
-                else:
-                    item = await asyncio.wait_for(self._queue.get(), max(0.0, due - self._clock()))
-            except TimeoutError:
-                item = None
+            item: _Item | None = None
+            # asyncio.timeout, not wait_for: on 3.11 a wait_for around Queue.get that is cancelled
+            # can hang for good in its own clean-up, and the agent would never finish stopping
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if due is None else max(0.0, due - self._clock())):
+                    item = await self._queue.get()
             if item is not None:
                 await self._absorb(item)
             await self._flush_due()
