@@ -30,7 +30,7 @@ from tests.test_plugin_fakes import plugin_harness
 def test_observability_defaults() -> None:
     config = build_config({})
     assert config.metrics.utilization_interval_s == 10.0 and config.metrics.utilization_stale_intervals == 3
-    assert config.metrics.max_holder_series == 512
+    assert config.metrics.max_holder_series == 256
     assert (config.watchdog.enabled, config.watchdog.interval_s, config.watchdog.grace_s) == (True, 10.0, 30.0)
     assert config.orphans.interval_s == 30.0 and config.orphans.max_lookups == 20
 

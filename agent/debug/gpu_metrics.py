@@ -115,11 +115,15 @@ class GpuCollector(Collector):
             "each pod it is reserved for once read) that holds a GPU; join on uuid",
             labels=HOLDER_LABELS,
         )
-        rows: list[list[str]] = []
+        limit = self._config.config.metrics.max_holder_series
+        shown = dropped = 0
         for gpu in sorted(self._inventory.current.gpus, key=lambda g: g.index):
             for mechanism_name, mechanism in sorted(self._mechanisms.items()):
-                usage = mechanism.usage()
-                for h in sorted(usage.holders.get(gpu.uuid, ()), key=lambda h: (h.namespace, h.name, h.detail)):
+                holders = mechanism.usage().holders.get(gpu.uuid, ())
+                for h in sorted(holders, key=lambda h: (h.namespace, h.name, h.detail)):
+                    if shown >= limit:  # past the cap only counted, never formatted
+                        dropped += max(1, len(self._claim_pods(h.namespace, h.name, h.uid))) if h.kind == "claim" else 1
+                        continue
                     if h.kind == "claim":  # one row per pod the claim is reserved for, when known
                         pods = self._claim_pods(h.namespace, h.name, h.uid) or (("", ""),)
                         values = [(h.namespace, pod, pod_uid, "", h.name, h.uid) for pod, pod_uid in pods]
@@ -127,15 +131,16 @@ class GpuCollector(Collector):
                         pod_uid = h.uid or self._pod_uid(h.namespace, h.name)
                         values = [(h.namespace, h.name, pod_uid, h.detail, "", "")]
                     for value in values:
-                        rows.append([gpu.uuid, str(gpu.index), mechanism_name] + [_cut(v) for v in value])
-        limit = self._config.config.metrics.max_holder_series
-        for row in rows[:limit]:
-            family.add_metric(row, 1)
+                        if shown >= limit:
+                            dropped += 1
+                            continue
+                        family.add_metric([gpu.uuid, str(gpu.index), mechanism_name, *(_cut(v) for v in value)], 1)
+                        shown += 1
         yield family
         yield GaugeMetricFamily(
             "gpu_agent_gpu_holder_series_dropped",
             "Holders left out of gpu_agent_gpu_holder_info on this scrape (past metrics.max_holder_series)",
-            value=max(0, len(rows) - limit),
+            value=dropped,
         )
 
     def _usage(self) -> Iterator[GaugeMetricFamily]:
