@@ -117,9 +117,10 @@ class GpuCollector(Collector):
         )
         limit = self._config.config.metrics.max_holder_series
         shown = dropped = 0
+        usages = {name: m.usage() for name, m in sorted(self._mechanisms.items())}  # once per scrape
         for gpu in sorted(self._inventory.current.gpus, key=lambda g: g.index):
-            for mechanism_name, mechanism in sorted(self._mechanisms.items()):
-                holders = mechanism.usage().holders.get(gpu.uuid, ())
+            for mechanism_name, usage in usages.items():
+                holders = usage.holders.get(gpu.uuid, ())
                 for h in sorted(holders, key=lambda h: (h.namespace, h.name, h.detail)):
                     if shown >= limit:  # past the cap only counted, never formatted
                         dropped += max(1, len(self._claim_pods(h.namespace, h.name, h.uid))) if h.kind == "claim" else 1
