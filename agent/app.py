@@ -37,6 +37,7 @@ from agent.config.plan import plan_rows
 from agent.config.schema import Config, OwnershipConfig
 from agent.config.state import ConfigState
 from agent.config.watcher import ConfigWatcher
+from agent.debug.gpu_metrics import GpuCollector
 from agent.debug.metrics import AgentCollector, LoopLagProbe
 from agent.debug.server import DebugContext, SimulatedControl, serve_debug
 from agent.debug.state import agent_state
@@ -59,6 +60,7 @@ from agent.kube.recorder import EventRecorder
 from agent.kube.session import open_kube
 from agent.logs import set_level
 from agent.mechanism import Mechanism, Readiness
+from agent.observability import Observers, build_observers
 from agent.ownership import OwnershipState, OwnershipTable, compute_ownership
 from agent.plugin.manager import PluginManager
 from agent.plugin.podresources import PodResourcesClient, PodResourcesWatcher
@@ -111,6 +113,7 @@ class Agent:
         registry: CollectorRegistry,
         labels: NodeLabelSource | StaticLabelSource | None = None,
         events: EventSink | None = None,
+        observers: Observers | None = None,
     ) -> None:
         self.config_state = config_state
         self.node_name = node_name
@@ -138,6 +141,22 @@ class Agent:
         registry.register(
             AgentCollector(
                 devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
+            )
+        )
+        #: utilization, orphaned allocations, the registration watchdog (without API access unless given)
+        self.observers = observers or build_observers(
+            config=config_state, backend=backend, inventory=inventory, mechanisms=self._mechanisms, registry=registry
+        )
+        registry.register(
+            GpuCollector(
+                inventory=inventory,
+                health=health,
+                ownership=ownership,
+                mechanisms=self._mechanisms,
+                utilization=self.observers.utilization,
+                config=config_state,
+                pod_uid=self.observers.orphans.pod_uid,
+                claim_pods=self.observers.orphans.claim_pods,
             )
         )
 
@@ -207,6 +226,7 @@ class Agent:
             checks[name] = mechanism.readiness()
         ok, detail = self.cdi.last_pass_ok()
         checks["cdi"] = Readiness(ok, detail)
+        checks["watchdog"] = self.observers.watchdog.readiness()
         return checks
 
     def simulated_control(self) -> SimulatedControl | None:
@@ -444,6 +464,17 @@ async def run_agent(
             node_name=node_name,
         )
         mechanisms: dict[str, Mechanism] = {"device-plugin": plugin, "dra": dra}
+        observers = build_observers(
+            config=config_state,
+            backend=backend,
+            inventory=inventory,
+            mechanisms=mechanisms,
+            registry=registry,
+            kube=kube,
+            node_name=node_name,
+            claims=claims,
+            events=events,
+        )
         agent = Agent(
             config_state=config_state,
             node_name=node_name,
@@ -456,6 +487,7 @@ async def run_agent(
             registry=registry,
             labels=labels,
             events=events,
+            observers=observers,
         )
         agent.handover.set_desired(agent.compute_ownership(loaded))
         log.info(
@@ -486,6 +518,7 @@ async def run_agent(
             "node-labels": agent.follow_labels,
             "handover": agent.handover.run,
             "ready": lambda: _wait_ready(agent, ready),
+            **observers.roots(),
         }
         for name, mechanism in mechanisms.items():
             roots[name] = functools.partial(agent.serve, name, mechanism)

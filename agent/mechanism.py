@@ -16,7 +16,7 @@ Terms used by both mechanisms:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -80,6 +80,37 @@ class Usage:
         return bool(self.holders.get(gpu_uuid))
 
 
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    """What the API server says about this Node, for the registration watchdog."""
+
+    #: extended resource name -> ``status.allocatable`` count (None: not read, see ``reason``)
+    allocatable: Mapping[str, int] | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationCheck:
+    """One comparison of what a mechanism advertises with what the node shows.
+
+    The watchdog (``agent/watchdog.py``) tracks checks by ``key`` across rounds and calls
+    ``repair`` when one disagrees for longer than the kubelet needs to catch up.
+    """
+
+    #: stable name, e.g. ``nvidia.com/gpu kubelet-allocatable`` (a metric label: few values)
+    key: str
+    #: devices we advertise to that peer
+    advertised: int
+    #: devices the peer shows (None: it cannot be read now; the check is skipped)
+    seen: int | None
+    #: whether the two agree (the same count can still name different devices)
+    agrees: bool
+    #: what differs, for logs and readiness
+    detail: str
+    #: make the mechanism advertise again through its own path (re-register, re-publish)
+    repair: Callable[[str], None]
+
+
 class Mechanism(Protocol):
     """One way of handing GPUs to workloads, run by the agent as a root task."""
 
@@ -104,4 +135,8 @@ class Mechanism(Protocol):
 
     def usage(self) -> Usage:
         """Which GPUs are in use through this mechanism (see :class:`Usage`)."""
+        ...
+
+    def registration_checks(self, node: NodeStatus) -> Sequence[RegistrationCheck]:
+        """What it advertises against what the kubelet, the Node or the API shows; cheap, no I/O."""
         ...

@@ -2,6 +2,10 @@
 
 Per GPU: owner (granted, and the desired one when they differ), health, who holds it and how
 busy it is. Readable at 80 columns; ``--json`` prints the same rows as JSON for scripts.
+
+UTIL reads ``42%``, ``mig`` (MIG mode: NVML has no utilization counter), ``?`` (the newest
+reading is missing or stale: NVML failing or hung) or ``-`` (not sampled). Orphaned
+allocations and watchdog repairs, when there are any, follow the table.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from typing import Any
 
 #: holders named on a row (the rest are counted)
 SHOWN_HOLDERS = 2
+#: orphans and watchdog disagreements named under the table (the rest are counted)
+SHOWN_NOTES = 3
+WIDTH = 80
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +34,10 @@ class StatusRow:
     gpu_percent: float | None
     memory_used_mib: int | None
     memory_total_mib: int | None
+    #: True: read and fresh; False: the reading is missing or stale; None: not sampled at all
+    utilization_known: bool | None = None
+    utilization_reason: str = ""
+    mig_enabled: bool = False
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -40,6 +51,8 @@ class StatusRow:
             "gpu_utilization_percent": self.gpu_percent,
             "memory_used_mib": self.memory_used_mib,
             "memory_total_mib": self.memory_total_mib,
+            "utilization_known": self.utilization_known,
+            "utilization_reason": self.utilization_reason,
         }
 
 
@@ -65,6 +78,9 @@ def rows_from_state(state: Mapping[str, Any]) -> list[StatusRow]:
                 gpu_percent=_number(util.get("gpu_percent")),
                 memory_used_mib=_int(util.get("memory_used_mib")),
                 memory_total_mib=_int(util.get("memory_total_mib")) or _int(d.get("memory_mib")),
+                utilization_known=util.get("known") if isinstance(util.get("known"), bool) else None,
+                utilization_reason=str(util.get("reason") or ""),
+                mig_enabled=d.get("mig_enabled") is True,
             )
         )
     return sorted(rows, key=lambda r: r.index)
@@ -88,7 +104,7 @@ def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
     for r in rows:
         owner = r.owner if r.desired == r.owner or r.owner.startswith("draining:") else f"{r.owner}>{r.desired}"
         owner = owner.replace("draining:", "drain ").replace("device-plugin", "dp")
-        util = f"{r.gpu_percent:.0f}%" if r.gpu_percent is not None else "-"
+        util = _util(r)
         if r.memory_used_mib is not None and r.memory_total_mib:
             memory = f"{r.memory_used_mib / 1024:.0f}/{r.memory_total_mib / 1024:.0f}GiB"
         elif r.memory_total_mib:
@@ -103,4 +119,41 @@ def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
             lines.append(f"     {r.cause[:75]}")
     if not rows:
         lines.append("  (no GPUs)")
+    lines.extend(_notes(state))
     return "\n".join(lines)
+
+
+def _util(r: StatusRow) -> str:
+    if r.gpu_percent is not None:
+        return f"{r.gpu_percent:.0f}%"
+    if r.utilization_known is False:
+        return "?"
+    if r.utilization_known and r.mig_enabled:
+        return "mig"
+    return "-"
+
+
+def _notes(state: Mapping[str, Any]) -> list[str]:
+    """Lines under the table: orphaned allocations and watchdog disagreements, when there are any."""
+    lines: list[str] = []
+    orphans = state.get("orphans") or {}
+    listed = [o for o in (orphans.get("orphans") or ()) if isinstance(o, dict)]
+    count = orphans.get("count") if isinstance(orphans.get("count"), int) else len(listed)
+    if count:
+        lines.append(f"orphaned allocations: {count}")
+        for o in listed[:SHOWN_NOTES]:
+            who = f"{o.get('namespace')}/{o.get('name')}" if o.get("name") else f"claim {o.get('uid')}"
+            lines.append(_fit(f"  {o.get('kind')} {who}"))
+            lines.append(_fit(f"    {o.get('reason', '')}"))
+    watchdog = state.get("watchdog") or {}
+    disagreements = [d for d in (watchdog.get("disagreements") or ()) if isinstance(d, dict)]
+    if disagreements:
+        lines.append(f"watchdog: {len(disagreements)} disagreement(s) with the node")
+        for d in disagreements[:SHOWN_NOTES]:
+            lines.append(_fit(f"  {d.get('state')}: {d.get('mechanism')} {d.get('check')}"))
+            lines.append(_fit(f"    {d.get('detail', '')}"))
+    return lines
+
+
+def _fit(line: str) -> str:
+    return line if len(line) <= WIDTH else line[: WIDTH - 3] + "..."

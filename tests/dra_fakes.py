@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from agent.cdi.service import CdiService, create_cdi_service
 from agent.config.loader import build_config
 from agent.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig
-from agent.dra.claim import ClaimRef, DeviceResult, OpaqueConfig, ResourceClaim
+from agent.dra.claim import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
 from agent.dra.driver import Timeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
 from agent.health.model import Signal, SignalKind
@@ -95,6 +95,8 @@ class FakeClaimSource:
         uid: str | None = None,
         allocated: bool = True,
         configs: Iterable[OpaqueConfig] = (),
+        allocation_timestamp: str | None = None,
+        reserved_for: Iterable[PodRef] = (),
     ) -> ClaimRef:
         uid = uid or f"uid-{namespace}-{name}"
         self.claims[(namespace, name)] = ResourceClaim(
@@ -105,6 +107,8 @@ class FakeClaimSource:
             results=tuple(results),
             configs=tuple(configs),
             api_version="resource.k8s.io/v1",
+            allocation_timestamp=allocation_timestamp,
+            reserved_for=tuple(reserved_for),
         )
         return ClaimRef(namespace=namespace, name=name, uid=uid)
 
@@ -123,6 +127,9 @@ class FakeClaimSource:
 class FakePublisher:
     ownership: OwnershipState
     kicks: int = 0
+    resyncs: int = 0
+    #: what slice_check answers (None: unknown)
+    check: tuple[frozenset[str], frozenset[str]] | None = None
     ready: Readiness = field(default_factory=lambda: Readiness(True))
     running: bool = False
 
@@ -138,6 +145,13 @@ class FakePublisher:
 
     def kick(self) -> None:
         self.kicks += 1
+
+    def resync(self) -> None:
+        self.resyncs += 1
+        self.kick()
+
+    def slice_check(self) -> tuple[frozenset[str], frozenset[str]] | None:
+        return self.check
 
     def readiness(self) -> Readiness:
         return self.ready

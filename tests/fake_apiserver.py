@@ -4,8 +4,9 @@ client talks to.
 It serves what the agent uses: discovery of ``resource.k8s.io`` (v1, v1beta2, v1beta1 in any
 combination), ResourceSlices (create with generateName and dryRun, get, list, watch, update,
 delete with preconditions; field selectors ``spec.nodeName``/``spec.driver``, label selectors),
-ResourceClaims (get; tests insert them in any version's shape), Nodes (get, list, watch) and
-Events (create, patch, list). ResourceSlices are stored in the v1 shape and converted to and
+ResourceClaims (get; tests insert them in any version's shape), Nodes (get, list, watch; a
+status with ``allocatable`` when a test sets one), Pods (get, whole or as metadata) and Events
+(create, patch, list). ResourceSlices are stored in the v1 shape and converted to and
 from v1beta1's ``basic`` nesting. Validation and error wording follow what a real v1.36
 kube-apiserver answers (``shared/reference/resource-api.md``, "Observed"), resourceVersions
 are a global counter, a stale update is 409 Conflict, and a watch from a compacted
@@ -174,6 +175,8 @@ class FakeApiServer:
         #: ResourceClaims as the test gave them, by (namespace, name)
         self.claims: dict[tuple[str, str], dict[str, Any]] = {}
         self.events: dict[tuple[str, str], dict[str, Any]] = {}
+        #: Pods by (namespace, name)
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.requests: list[Request] = []
         #: (rv, resource, type, object) for watch replay
         self._history: list[tuple[int, str, str, dict[str, Any]]] = []
@@ -232,6 +235,34 @@ class FakeApiServer:
         obj = self.nodes[node]
         obj["metadata"].update(metadata, labels=dict(labels), resourceVersion=str(self.rv))
         self._record("nodes", "MODIFIED", obj)
+
+    def set_allocatable(self, allocatable: dict[str, str], *, node: str = NODE) -> None:
+        """The kubelet posts node status: ``status.allocatable`` (and capacity) become these."""
+        self.rv += 1
+        obj = self.nodes[node]
+        obj["status"] = {"capacity": dict(allocatable), "allocatable": dict(allocatable)}
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self._record("nodes", "MODIFIED", obj)
+
+    def add_pod(self, namespace: str, name: str, *, uid: str = "") -> dict[str, Any]:
+        self.rv += 1
+        pod = {
+            "kind": "Pod",
+            "apiVersion": "v1",
+            "metadata": {
+                "name": name,
+                "namespace": namespace,
+                "uid": uid or f"uid-{namespace}-{name}",
+                "resourceVersion": str(self.rv),
+            },
+            "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "cuda"}]},
+        }
+        self.pods[(namespace, name)] = pod
+        return pod
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.rv += 1
+        del self.pods[(namespace, name)]
 
     def put_claim(self, claim: dict[str, Any]) -> None:
         meta = claim["metadata"]
@@ -428,7 +459,19 @@ class FakeApiServer:
                 )
         if len(parts) >= 3 and parts[0] == "namespaces" and parts[2] == "events":
             return self._events(request, parts[1], parts[3:], body)
+        if len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "pods" and request.method == "GET":
+            return self._pod(request, parts[1], parts[3])
         return _page_not_found()
+
+    def _pod(self, request: web.Request, namespace: str, name: str) -> web.Response:
+        pod = self.pods.get((namespace, name))
+        if pod is None:
+            return _status(404, f'pods "{name}" not found', details={"name": name, "kind": "pods"})
+        if "as=PartialObjectMetadata" in request.headers.get("Accept", ""):
+            return web.json_response(
+                {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": pod["metadata"]}
+            )
+        return web.json_response(pod)
 
     def _events(self, request: web.Request, namespace: str, rest: list[str], body: Any) -> web.Response:
         if request.method == "POST" and not rest:

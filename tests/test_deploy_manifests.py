@@ -151,6 +151,7 @@ def test_rbac_grants_exactly_what_the_agent_uses(directory: str) -> None:
         {("*", "", "nodes", v) for v in ("get", "list", "watch")}
         | {("*", "resource.k8s.io", "resourceslices", v) for v in slice_verbs}
         | {("*", "resource.k8s.io", "resourceclaims", "get"), ("default", "", "events", "create")}
+        | {("*", "", "pods", "get")}  # the orphan check: does a pod that holds GPUs still exist
     )
 
 

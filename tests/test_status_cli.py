@@ -28,6 +28,27 @@ STATE = {
             "utilization": {"gpu_percent": 97.0, "memory_used_mib": 40960, "memory_total_mib": 81559},
         },
         {
+            "index": 2,
+            "uuid": "GPU-cccc",
+            "owner": "device-plugin",
+            "desired_owner": "device-plugin",
+            "health": "healthy",
+            "memory_mib": 81559,
+            "holders": {"device-plugin": []},
+            "utilization": {"known": False, "gpu_percent": None, "reason": "the newest reading is 31.0s old"},
+        },
+        {
+            "index": 3,
+            "uuid": "GPU-dddd",
+            "owner": "device-plugin",
+            "desired_owner": "device-plugin",
+            "health": "healthy",
+            "mig_enabled": True,
+            "memory_mib": 40960,
+            "holders": {},
+            "utilization": {"known": True, "gpu_percent": None, "memory_used_mib": 1024, "memory_total_mib": 40960},
+        },
+        {
             "index": 0,
             "uuid": "GPU-aaaa",
             "owner": "dra",
@@ -38,18 +59,46 @@ STATE = {
             "holders": {"dra": [{"kind": "claim", "namespace": "ml", "name": "c1"}]},
         },
     ],
+    "orphans": {
+        "count": 1,
+        "orphans": [
+            {
+                "kind": "device-plugin-pod",
+                "namespace": "ml",
+                "name": "gone-" + "x" * 80,
+                "reason": "the API server has no such pod, but the kubelet's PodResources still lists it",
+            }
+        ],
+    },
+    "watchdog": {
+        "disagreements": [
+            {
+                "state": "repairing",
+                "mechanism": "device-plugin",
+                "check": "nvidia.com/gpu kubelet-allocatable",
+                "detail": "the kubelet counts 0 allocatable nvidia.com/gpu, we list 8 healthy",
+            }
+        ]
+    },
 }
 
 
 def test_rows_and_the_80_column_view() -> None:
     rows = rows_from_state(STATE)
-    assert [r.index for r in rows] == [0, 1]
+    assert [r.index for r in rows] == [0, 1, 2, 3]
     assert rows[1].holders == ("ml/train-0",) and rows[0].holders == ("claim ml/c1",)
     assert rows[1].gpu_percent == 97.0 and rows[0].gpu_percent is None
     text = render(STATE, rows)
     assert all(len(line) <= 80 for line in text.splitlines()), text
     assert "drain dp->dra" in text and "97%" in text and "40/80GiB" in text
     assert "xid 79: GPU has fallen off the bus" in text
+    rows_text = [line for line in text.splitlines() if line[:3].strip().isdigit()]
+    utilization = {line[:3].strip(): line[40:44].strip() for line in rows_text}  # the UTIL column
+    assert utilization == {"0": "-", "1": "97%", "2": "?", "3": "mig"}  # not sampled, read, stale, MIG mode
+    assert rows[2].as_dict()["utilization_reason"] == "the newest reading is 31.0s old"
+    assert "orphaned allocations: 1" in text and "  device-plugin-pod ml/gone-xxx" in text
+    assert "watchdog: 1 disagreement(s) with the node" in text
+    assert "  repairing: device-plugin nvidia.com/gpu kubelet-allocatable\n    the kubelet counts 0" in text
 
 
 @pytest.mark.integration
@@ -67,6 +116,7 @@ def _status_against_a_running_agent(root: Path) -> None:
         doc = json.loads(result.stdout)
         assert doc["node"] == "test-node" and len(doc["gpus"]) == 8
         assert {g["owner"] for g in doc["gpus"]} == {"device-plugin"}
+        assert all(set(g) >= {"desired_owner", "health", "holders", "gpu_utilization_percent"} for g in doc["gpus"])
         table = run_cli("status", "--debug-addr", f"127.0.0.1:{agent.port}")
         assert table.returncode == 0 and "node test-node  serving" in table.stdout
     finally:

@@ -282,9 +282,34 @@ def check_semantics(config: Config) -> None:
     if config.cdi.hook_path is not None and not config.cdi.hook_path.is_absolute():
         raise ConfigError(f"cdi.hook_path: must be an absolute path, got {str(config.cdi.hook_path)!r}")
     positive(config.ownership.handover_warning_s, "ownership.handover_warning_s")
+    _check_observability(config)
     for i, rule in enumerate(config.ownership.nodes):
         if not rule.match.names and not rule.match.labels:
             raise ConfigError(f"ownership.nodes[{i}].match: name node names or labels to match")
+
+
+#: the shortest sampling and checking intervals: below them the agent would mostly poll itself
+MIN_INTERVAL_S = 0.05
+
+
+def _check_observability(config: Config) -> None:
+    def interval(value: float, where: str) -> None:
+        if not math.isfinite(value) or value < MIN_INTERVAL_S:
+            raise ConfigError(f"{where}: must be a number of seconds, at least {MIN_INTERVAL_S}, got {value!r}")
+
+    def at_least(value: int, least: int, where: str) -> None:
+        if value < least:
+            raise ConfigError(f"{where}: must be at least {least}, got {value!r}")
+
+    metrics, watchdog, orphans = config.metrics, config.watchdog, config.orphans
+    interval(metrics.utilization_interval_s, "metrics.utilization_interval_s")
+    at_least(metrics.utilization_stale_intervals, 1, "metrics.utilization_stale_intervals")
+    at_least(metrics.max_holder_series, 0, "metrics.max_holder_series")
+    interval(watchdog.interval_s, "watchdog.interval_s")
+    interval(watchdog.grace_s, "watchdog.grace_s")
+    at_least(watchdog.max_repairs, 1, "watchdog.max_repairs")
+    interval(orphans.interval_s, "orphans.interval_s")
+    at_least(orphans.max_lookups, 1, "orphans.max_lookups")
 
 
 # --- type-driven conversion -------------------------------------------------------

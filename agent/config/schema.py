@@ -183,6 +183,46 @@ class DraConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """What ``/metrics`` and ``/debug/state`` sample and how much they show (agent/utilization.py,
+    agent/debug/gpu_metrics.py)."""
+
+    # how often GPU and MIG utilization and memory are read from the backend (off the event loop);
+    # a read that takes longer than this is abandoned
+    utilization_interval_s: float = 10.0
+    # a reading older than this many intervals reads as unknown (NVML failing or hung)
+    utilization_stale_intervals: int = 3
+    # holder series (gpu_agent_gpu_holder_info) on one scrape at most; the rest are counted as dropped
+    # (a scrape runs on the event loop: 256 holders cost about 5 ms on a slow 2-core machine)
+    max_holder_series: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class WatchdogConfig:
+    """The registration watchdog (agent/watchdog.py): what we advertise vs what the node shows."""
+
+    enabled: bool = True
+    # how often advertised and observed devices are compared (and the Node's status read)
+    interval_s: float = 10.0
+    # a disagreement shorter than this is the kubelet catching up (it posts node status every
+    # 10 s; the PodResources view is refreshed every 10 s); a longer one is repaired
+    grace_s: float = 30.0
+    # repairs of one disagreement after which readiness fails
+    max_repairs: int = 3
+
+
+@dataclass(frozen=True, slots=True)
+class OrphansConfig:
+    """Orphaned allocations (agent/orphans.py): held devices whose pod or claim is gone."""
+
+    enabled: bool = True
+    # how often held devices are checked against the API server
+    interval_s: float = 30.0
+    # API reads (pods, claims) one check may make; the rest wait for the next checks
+    max_lookups: int = 20
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     backend: BackendName = "auto"
     # simulated node: a preset name or a YAML file
@@ -200,6 +240,9 @@ class Config:
     plugin: PluginConfig = PluginConfig()
     dra: DraConfig = DraConfig()
     cdi: CdiConfig = CdiConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    orphans: OrphansConfig = OrphansConfig()
 
     @property
     def device_plugins_dir(self) -> Path:

@@ -2,6 +2,9 @@
 
 Field names that tools and tests rely on (DESIGN.md): ``devices[].uuid/index/owner/health/mig``
 and ``config.version/source/last_error``; more fields may be added, none removed.
+``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail`` and
+``devices[].utilization`` (``gpu_percent``, ``memory_used_mib``, ``memory_total_mib``: numbers, or
+null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans`` and ``watchdog``.
 
 The document is built from an :class:`AgentView`, the read-only face of the running agent;
 mechanisms appear only through :class:`~agent.mechanism.Mechanism`.
@@ -21,7 +24,8 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Gpu
 from agent.inventory.render import topology_map
 from agent.inventory.state import InventoryState
-from agent.mechanism import Mechanism, Usage
+from agent.mechanism import Holder, Mechanism, Usage
+from agent.observability import Observers
 from agent.ownership import OwnershipState
 
 
@@ -34,6 +38,7 @@ class AgentView(Protocol):
     ownership: OwnershipState
     config_state: ConfigState
     cdi: CdiProvider
+    observers: Observers
 
     @property
     def status(self) -> str: ...
@@ -88,6 +93,7 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
             for (name, mechanism), u in zip(agent.mechanisms.items(), usage.values(), strict=True)
         },
         "cdi": agent.cdi.debug_state(),
+        **agent.observers.debug_state(),
     }
     # the device plugin's section under its historical key, for tools written against it
     if "device-plugin" in state["mechanisms"]:
@@ -100,6 +106,17 @@ def _drain(agent: AgentView, uuid: str) -> dict[str, Any] | None:
     if drain is None:
         return None
     return {"from": drain.source.value, "to": drain.target.value, "waiting_for": drain.waiting_for}
+
+
+def _holder(agent: AgentView, holder: Holder) -> dict[str, object]:
+    """A holder as JSON; a pod's UID (PodResources has none) and a claim's pods, once the orphan check read them."""
+    out = holder.as_dict()
+    orphans = agent.observers.orphans
+    if holder.kind == "container" and not holder.uid:
+        out["uid"] = orphans.pod_uid(holder.namespace, holder.name)
+    elif holder.kind == "claim":
+        out["pods"] = [{"name": p, "uid": u} for p, u in orphans.claim_pods(holder.namespace, holder.name, holder.uid)]
+    return out
 
 
 def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str, Any]:
@@ -122,7 +139,11 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
         "draining": _drain(agent, gpu.uuid),
         "health": agent.health.state(gpu.uuid).value,
         "health_detail": record.as_dict() if record else None,
-        "holders": {name: [h.as_dict() for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known},
+        "holders": {
+            name: [_holder(agent, h) for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known
+        },
+        "xids": {str(x): n for x, n in sorted(agent.health.xid_counts(gpu.uuid).items())},
+        "utilization": agent.observers.utilization.get(gpu.uuid).as_dict(),
         "mig_enabled": gpu.mig_enabled,
         "mig": [
             {
@@ -133,6 +154,7 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
                 "compute_instance_id": mig.compute_instance_id,
                 "memory_mib": mig.memory_mib,
                 "health": agent.health.state(mig.uuid).value,
+                "utilization": agent.observers.utilization.get(mig.uuid).as_dict(),
             }
             for mig in gpu.mig_devices
         ],

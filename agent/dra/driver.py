@@ -44,6 +44,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -130,6 +131,8 @@ class _Pending:
     ref: ClaimRef
     planned: list[PlannedDevice]
     existing: PreparedClaim | None
+    #: the claim's status.allocation.allocationTimestamp, when the cluster sets it
+    allocated_at: str | None = None
 
     def uuids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p.device.uuid for p in self.planned))
@@ -418,7 +421,8 @@ class DraDriver:
             health=self._health,
         )
         self._reserve(ref, planned)
-        return _Pending(ref=ref, planned=planned, existing=existing)
+        allocated_at = claim.allocation_timestamp if claim is not None else None
+        return _Pending(ref=ref, planned=planned, existing=existing, allocated_at=allocated_at)
 
     async def _write_specs(self, pending: list[_Pending]) -> dict[str, _Outcome]:
         """Write the CDI specs of the batch's new claims and record the ones that got theirs."""
@@ -438,6 +442,7 @@ class DraDriver:
             prepared = p.prepared(names, self._now())
             self._prepared[p.ref.uid] = prepared
             self._version += 1
+            self._observe_allocation_age(p.allocated_at)
             log.info(
                 "dra.claim_prepared",
                 claim=f"{p.ref.namespace}/{p.ref.name}",
@@ -563,6 +568,20 @@ class DraDriver:
         return ""
 
     # --- shared -----------------------------------------------------------------------------
+
+    def _observe_allocation_age(self, allocated_at: str | None) -> None:
+        """Time from the claim's allocation to now; skipped when unknown or ahead of our clock (skew)."""
+        if not allocated_at:
+            return
+        try:
+            at = datetime.fromisoformat(allocated_at)
+        except ValueError:
+            return
+        if at.tzinfo is None:
+            at = at.replace(tzinfo=UTC)
+        age = time.time() - at.timestamp()
+        if age >= 0:
+            self._metrics.allocation_to_prepare.observe(age)
 
     def _failed(self, operation: str, exc: ClaimError) -> ClaimAnswer:
         self._metrics.errors.labels(operation=operation, reason=exc.reason.value).inc()

@@ -35,7 +35,7 @@ from agent.dra.servicer import v1_servicer, v1beta1_servicer
 from agent.errors import StartupError
 from agent.health.monitor import HealthMonitor
 from agent.inventory.state import InventoryState
-from agent.mechanism import Holder, Readiness, Usage
+from agent.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
 from agent.ownership import OwnershipState
 
 log = structlog.get_logger("agent.dra")
@@ -54,6 +54,14 @@ class SlicePublisher(Protocol):
 
     def kick(self) -> None:
         """Look again now (the kubelet (re)registered the plugin: it may have wiped the slices)."""
+        ...
+
+    def resync(self) -> None:
+        """Read the slices from the API again and publish what differs (the watchdog's repair)."""
+        ...
+
+    def slice_check(self) -> tuple[frozenset[str], frozenset[str]] | None:
+        """(device names the pool should hold, device names its slices hold), None while unknown."""
         ...
 
     def readiness(self) -> Readiness: ...
@@ -200,6 +208,29 @@ class DraMechanism:
                     )
                 )
         return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=time.monotonic())
+
+    def registration_checks(self, node: NodeStatus) -> list[RegistrationCheck]:
+        """The devices the pool should hold against those its ResourceSlices hold (the publisher's view)."""
+        seen = self.publisher.slice_check()
+        if seen is None:
+            return []
+        expected, published = seen
+        extra, missing = sorted(published - expected), sorted(expected - published)
+        detail = f"the pool should hold {len(expected)} devices, its ResourceSlices hold {len(published)}"
+        if missing:
+            detail += f"; missing: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")
+        if extra:
+            detail += f"; not ours to publish: {', '.join(extra[:3])}" + (" ..." if len(extra) > 3 else "")
+        return [
+            RegistrationCheck(
+                key=f"{self.driver.pool} resourceslices",
+                advertised=len(expected),
+                seen=len(published),
+                agrees=expected == published,
+                detail=detail,
+                repair=lambda reason: self.publisher.resync(),
+            )
+        ]
 
     def debug_state(self) -> dict[str, object]:
         usage = self.usage()

@@ -48,6 +48,13 @@ class DraMetrics:
             registry=registry,
             buckets=_CALL_BUCKETS,
         )
+        self.allocation_to_prepare = Histogram(
+            "gpu_agent_dra_allocation_to_prepare_seconds",
+            "Time from a claim's allocation (status.allocation.allocationTimestamp, where the cluster "
+            "sets it) to its preparation on this node",
+            registry=registry,
+            buckets=(0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0),
+        )
         self.checkpoint_writes = Counter(
             "gpu_agent_dra_checkpoint_writes", "Checkpoint writes by result", ["result"], registry=registry
         )

@@ -29,6 +29,12 @@ class NoApiPublisher:
     def kick(self) -> None:
         return None
 
+    def resync(self) -> None:
+        return None
+
+    def slice_check(self) -> tuple[frozenset[str], frozenset[str]] | None:
+        return None  # nothing published, nothing to compare
+
     def readiness(self) -> Readiness:
         return Readiness(True, f"not published: {REASON}")
 

@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import quote
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.backoff import Backoff
 from agent.config.schema import Owner
@@ -95,6 +95,16 @@ class SliceMetrics:
             "gpu_agent_dra_slice_last_write_timestamp_seconds",
             "Unix time of the last successful ResourceSlice write",
             registry=registry,
+        )
+        self.slices = Gauge(
+            "gpu_agent_dra_resource_slices", "ResourceSlices of this node's pool on the API server", registry=registry
+        )
+        self.sync_seconds = Histogram(
+            "gpu_agent_dra_slice_sync_duration_seconds",
+            "One ResourceSlice reconcile pass (compare, then write the difference), by result",
+            ["result"],
+            registry=registry,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
         )
 
 
@@ -167,6 +177,24 @@ class SlicePublisher:
             gpus |= {d.gpu_uuid for d in dra_devices(self._inventory.current)}
         return frozenset(gpus)
 
+    def resync(self) -> None:
+        """List the slices again before the next comparison, and compare now (the watchdog's repair:
+        our view of the server may be what is wrong)."""
+        self._stale = True
+        self.kick()
+
+    def slice_check(self) -> tuple[frozenset[str], frozenset[str]] | None:
+        """(device names the pool should hold, device names our slices hold as last seen), or None
+        while either is unknown (no successful list yet; taint support unknown with an unhealthy device)."""
+        version = self._api.current
+        if not self._known or not version:
+            return None
+        desired = self._desired(version)
+        if desired is None:
+            return None
+        expected = frozenset(d.name for devices in desired for d in devices)
+        return expected, frozenset(d.name for s in self._slices.values() for d in s.devices)
+
     def readiness(self) -> Readiness:
         if self._synced and not self.last_error:
             devices = sum(len(s.devices) for s in self._slices.values())
@@ -224,14 +252,17 @@ class SlicePublisher:
         while True:
             await self._kicked.wait()
             self._kicked.clear()
+            started = time.monotonic()
             try:
                 await self._sync()
             except KubeError as exc:
+                self._metrics.sync_seconds.labels(result="error").observe(time.monotonic() - started)
                 attempt += 1
                 self._failed(exc)
                 self._kicked.set()  # try again after the backoff, kicked or not
                 await self._sleep(self._backoff.delay(attempt))
                 continue
+            self._metrics.sync_seconds.labels(result="ok").observe(time.monotonic() - started)
             attempt = 0
             self._synced = True
             if self.last_error:
@@ -389,11 +420,15 @@ class SlicePublisher:
         self._metrics.writes.labels(action=action).inc()
         self._metrics.last_write.set(time.time())
         self.last_write = datetime.now(UTC).isoformat(timespec="milliseconds")
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
         self._metrics.devices.set(sum(len(s.devices) for s in self._slices.values()))
+        self._metrics.slices.set(len(self._slices))
 
     def _check_stored(self, version: str, sent: tuple[SliceDevice, ...], stored: StoredSlice) -> None:
         """Notice fields the server dropped (a disabled gate) or changed, so the next plan agrees with it."""
-        self._metrics.devices.set(sum(len(s.devices) for s in self._slices.values()))
+        self._update_gauges()
         if stored.devices == sent:
             return
         if any(d.taints for d in sent) and not any(d.taints for d in stored.devices):
@@ -461,7 +496,7 @@ class SlicePublisher:
         self._slices = {s.name: s for s in slices if s.name}
         self._known, self._stale = True, False
         self._uncertain.clear()
-        self._metrics.devices.set(sum(len(s.devices) for s in self._slices.values()))
+        self._update_gauges()
         metadata = body.get("metadata")
         return str(metadata.get("resourceVersion") or "") if isinstance(metadata, dict) else ""
 

@@ -57,6 +57,8 @@ class DeviceHealth:
     clean_since: float | None = None
     history: deque[HistoryEntry] = field(default_factory=deque)
     xid_times: dict[int, deque[float]] = field(default_factory=dict)
+    #: Xid events seen on the device since the agent started, by Xid (whatever the policy made of them)
+    xids: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -66,6 +68,10 @@ class DeviceHealth:
             "history": [{"at": h.at, "state": h.state.value, "cause": h.cause, "xid": h.xid} for h in self.history],
         }
 
+
+#: distinct Xids counted per device; further ones are counted under OTHER_XID
+MAX_XID_KINDS = 32
+OTHER_XID = -1
 
 _SEVERITY = {HealthState.HEALTHY: 0, HealthState.UNKNOWN: 1, HealthState.UNHEALTHY: 2}
 
@@ -155,6 +161,15 @@ class HealthMonitor:
         """The device's own record (a MIG device's, not its parent's)."""
         return self._mig_records.get(uuid) or self._records.get(uuid)
 
+    def xid_counts(self, gpu_uuid: str) -> dict[int, int]:
+        """Xid events seen on a GPU and its MIG devices since start, by Xid (OTHER_XID: the rest)."""
+        out: dict[int, int] = {}
+        records = [self._records.get(gpu_uuid), *(self._mig_records[c] for c in self._children.get(gpu_uuid, ()))]
+        for record in records:
+            for xid, n in (record.xids if record is not None else {}).items():
+                out[xid] = out.get(xid, 0) + n
+        return out
+
     def counts(self) -> dict[HealthState, int]:
         """GPUs per effective state."""
         out = dict.fromkeys(HealthState, 0)
@@ -173,6 +188,9 @@ class HealthMonitor:
             return
         if not self._config.enabled and signal.kind not in (SignalKind.INJECTED_FAULT, SignalKind.INJECTED_HEAL):
             return
+        if signal.kind is SignalKind.XID and signal.xid is not None:
+            key = signal.xid if signal.xid in record.xids or len(record.xids) < MAX_XID_KINDS else OTHER_XID
+            record.xids[key] = record.xids.get(key, 0) + 1
         now = self._clock()
         family = [record, *(self._mig_records[c] for c in self._children.get(uuid, ()))]
         if signal.kind is SignalKind.CHECK_OK:

@@ -9,6 +9,7 @@ from typing import Protocol
 from agent.config.schema import HealthConfig
 from agent.health.model import Signal
 from agent.inventory.model import Inventory
+from agent.inventory.sample import DeviceSample
 
 #: Health sources call this from the event loop thread (thread-based sources hop to the
 #: loop with ``loop.call_soon_threadsafe`` first).
@@ -18,8 +19,8 @@ SignalSink = Callable[[Signal], None]
 class Backend(Protocol):
     """A source of devices and of raw health signals.
 
-    Lifecycle: ``open`` once, then ``load`` any number of times, ``watch_health`` as a task
-    that runs until cancelled, and ``close`` (idempotent, also safe when ``open`` failed).
+    Lifecycle: ``open`` once, then ``load`` and ``sample`` any number of times, ``watch_health``
+    as a task that runs until cancelled, and ``close`` (idempotent, also safe when ``open`` failed).
     ``load`` may answer an empty inventory (with ``Inventory.reason``) and later the node's
     GPUs: a backend that waits for its driver keeps trying on every ``load``.
     """
@@ -41,6 +42,18 @@ class Backend(Protocol):
 
     def update_health_config(self, config: HealthConfig) -> None:
         """A new ``health`` config section (live reload); call on the loop thread."""
+        ...
+
+    async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
+        """Utilization and memory of the devices of ``inventory`` (GPUs and MIG devices), by UUID.
+
+        A device that cannot be read is left out (the caller shows it as unknown). Never blocks
+        the event loop, but may take as long as the hardware does, or never return: the caller
+        bounds the wait, never starts a second sample while one is running, and abandons one
+        that hangs (so a hung read must tie up nothing but its own thread). ``busy`` names the
+        physical GPUs something holds; a backend that measures ignores it, the simulated one
+        makes held GPUs look busy.
+        """
         ...
 
     def readiness(self) -> tuple[bool, str]:
@@ -73,6 +86,9 @@ class NullBackend:
 
     def update_health_config(self, config: HealthConfig) -> None:
         return None
+
+    async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
+        return {}
 
     def readiness(self) -> tuple[bool, str]:
         return True, self.reason

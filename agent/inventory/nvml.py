@@ -14,7 +14,8 @@ waiting makes the agent unready is :meth:`NvmlBackend.readiness`'s answer: only 
 
 Every NVML call runs off the event loop: ``load`` and each periodic check in
 ``asyncio.to_thread``, the blocking event wait in one dedicated thread
-(:class:`~agent.inventory.nvml_events.EventWatcher`, one per backend).
+(:class:`~agent.inventory.nvml_events.EventWatcher`, one per backend), and each utilization
+reading in a daemon thread of its own (:mod:`agent.inventory.nvml_sample`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from agent.inventory.nvml_errors import describe, translate_init
 from agent.inventory.nvml_events import BLIND_AFTER_S, EventWatcher
 from agent.inventory.nvml_health import InFlight, run_checks
 from agent.inventory.nvml_inventory import InventoryReader, Reading
+from agent.inventory.nvml_sample import in_daemon_thread, read_samples
+from agent.inventory.sample import DeviceSample
 
 #: how long close() waits for NVML calls still running in worker threads
 CLOSE_WAIT_S = 2.0
@@ -242,6 +245,21 @@ class NvmlBackend:
 
     def _handles(self) -> dict[str, Any]:
         return dict(self._reading.handles) if self._reading is not None else {}
+
+    # --- utilization ------------------------------------------------------------------
+
+    async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
+        """One reading of every device, in a daemon thread of its own (a hung call ties up only it).
+
+        Nothing while NVML is not initialised. The call is counted in flight, so ``close`` never
+        shuts NVML down under it.
+        """
+        if not self._initialised or self._closed:
+            return {}
+        nvml, handles = self._module(), self._handles()
+        return await in_daemon_thread(
+            self._in_flight.call, read_samples, nvml, inventory, handles, name="nvml-utilization"
+        )
 
     # --- health ---------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 
 import structlog
@@ -21,6 +22,7 @@ from agent.health.model import Signal, SignalKind
 from agent.inventory.backend import SignalSink
 from agent.inventory.model import Inventory
 from agent.inventory.preset import LoadedPreset, build_inventory, load_preset, preset_names
+from agent.inventory.sample import DeviceSample
 
 log = structlog.get_logger("agent.inventory.simulated")
 
@@ -45,6 +47,7 @@ class SimulatedBackend:
         self._emit: SignalSink | None = None
         self._loop_thread: int | None = None
         self._faulted: set[str] = set()  # GPU UUIDs under an operator fault
+        self._samples = 0
 
     async def open(self) -> None:
         return None
@@ -70,6 +73,33 @@ class SimulatedBackend:
 
     async def close(self) -> None:
         return None
+
+    async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
+        """Plausible, deterministic readings: a held GPU works (40-95 %, a quarter to most of its
+        memory, changing from one sample to the next), an idle one does nothing. MIG devices
+        report memory only, as NVML's do."""
+        self._samples += 1
+        out: dict[str, DeviceSample] = {}
+        for gpu in inventory.gpus:
+            held = gpu.uuid in busy
+            for mig in gpu.mig_devices:
+                out[mig.uuid] = DeviceSample(
+                    uuid=mig.uuid,
+                    memory_used_mib=_used(mig.uuid, mig.memory_mib, held),
+                    memory_total_mib=mig.memory_mib,
+                )
+            if gpu.mig_enabled:  # the parent's memory is its instances' memory; no utilization counter
+                used = sum(out[m.uuid].memory_used_mib or 0 for m in gpu.mig_devices)
+                out[gpu.uuid] = DeviceSample(uuid=gpu.uuid, memory_used_mib=used, memory_total_mib=gpu.memory_mib)
+                continue
+            percent = float(40 + (_seed(gpu.uuid) + 13 * self._samples) % 56) if held else 0.0
+            out[gpu.uuid] = DeviceSample(
+                uuid=gpu.uuid,
+                gpu_percent=percent,
+                memory_used_mib=_used(gpu.uuid, gpu.memory_mib, held),
+                memory_total_mib=gpu.memory_mib,
+            )
+        return out
 
     def update_health_config(self, config: HealthConfig) -> None:
         """Live: a running watch wakes up and checks at the new ``check_interval_s`` from now on."""
@@ -142,3 +172,12 @@ class SimulatedBackend:
         log.info("simulated health injected", device=target, gpu=gpu.uuid, kind=signal.kind.value, xid=signal.xid)
         emit(signal)
         return signal
+
+
+def _seed(uuid: str) -> int:
+    """A number fixed by the device's UUID (the same on every run, unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(uuid.encode()).digest()[:4], "big")
+
+
+def _used(uuid: str, total_mib: int, held: bool) -> int:
+    return total_mib * (25 + _seed(uuid) % 60) // 100 if held else min(total_mib, 4)

@@ -33,12 +33,13 @@ from agent.fswatch import RESCAN, DirectoryWatcher
 from agent.health.monitor import HealthMonitor
 from agent.inventory.model import Inventory
 from agent.inventory.state import InventoryState
-from agent.mechanism import Readiness, Usage
+from agent.mechanism import NodeStatus, Readiness, RegistrationCheck, Usage
 from agent.ownership import OwnershipState
 from agent.plugin.cdinames import CdiNames
+from agent.plugin.divergence import ReplicaCount, plugin_checks, replica_counts
 from agent.plugin.link import KubeletLink
-from agent.plugin.metrics import PluginMetrics
-from agent.plugin.podresources import PodResourcesWatcher
+from agent.plugin.metrics import PluginCollector, PluginMetrics
+from agent.plugin.podresources import PodResourcesWatcher, Snapshot
 from agent.plugin.preferred import TopologyScorer
 from agent.plugin.resources import Resource, ResourcePlan, plan_resources
 from agent.plugin.server import (
@@ -110,6 +111,13 @@ class PluginManager:
         #: directory-watch batches handled, and the names of the last one (debug, tests)
         self.watch_batches = 0
         self.last_watch_names: frozenset[str] = frozenset()
+        if registry is not None:
+            registry.register(
+                PluginCollector(
+                    replicas=self.replica_counts,
+                    pod_resources_failures=lambda: pod_resources.failures if pod_resources is not None else 0,
+                )
+            )
 
     # --- the Mechanism interface: /readyz, /debug/state, who advertises and uses what ------------
 
@@ -132,6 +140,9 @@ class PluginManager:
             return Readiness(False, "device plugin not started")
         if self.ready:
             return Readiness(True)
+        repairing = [s for s in self._servers.values() if s.repairing]
+        if repairing:  # a moment between the watchdog's stop and the new registration
+            return Readiness(True, f"device plugin registering again: {repairing[0].last_restart_reason}")
         not_serving = [s for s in self._servers.values() if not s.serving]
         if not_serving:
             errors = [s.last_error for s in not_serving if s.last_error]
@@ -168,6 +179,26 @@ class PluginManager:
             own_names={*plan, self._config.resource_name},
         )
 
+    def registration_checks(self, node: NodeStatus) -> list[RegistrationCheck]:
+        """Per resource: our healthy devices against the kubelet's allocatable ones and the Node's count."""
+        return plugin_checks(self._servers, self._kubelet_answer(), node)
+
+    def replica_counts(self) -> list[ReplicaCount]:
+        """Time-sliced replicas per GPU: advertised, and held by containers."""
+        return replica_counts({r.name: r for r in self._plan.resources}, self._servers, self._kubelet_answer())
+
+    def _kubelet_allocatable(self) -> dict[str, int] | None:
+        answer = self._kubelet_answer()
+        if answer is None or answer.allocatable is None:
+            return None
+        ours = {*self._servers, self._config.resource_name}
+        return {name: len(ids) for name, ids in sorted(answer.allocatable.items()) if name in ours}
+
+    def _kubelet_answer(self) -> Snapshot | None:
+        """The newest PodResources answer, when the newest call succeeded (None: unknown)."""
+        watcher = self.pod_resources
+        return watcher.latest if watcher is not None and watcher.known else None
+
     def debug_state(self) -> dict[str, object]:
         present = _socket_present(self.kubelet_socket)
         return {
@@ -179,6 +210,7 @@ class PluginManager:
             "watch_batches": self.watch_batches,
             "problems": list(self._plan.problems),
             "resources": {name: s.debug_state() for name, s in sorted(self._servers.items())},
+            "replicas": [r.as_dict() for r in self.replica_counts()],
             "pod_resources": self._pod_resources_state(),
         }
 
@@ -194,6 +226,8 @@ class PluginManager:
             "calls": watcher.calls,
             "failures": watcher.failures,
             "allocatable_served": watcher.client.allocatable_served,
+            # what the kubelet counts as allocatable of ours (the watchdog compares it with what we list)
+            "kubelet_allocatable": self._kubelet_allocatable(),
             "unadvertised_ids": list(usage.unmapped),
         }
 

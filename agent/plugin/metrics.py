@@ -2,7 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+
+class ReplicaView(Protocol):
+    @property
+    def resource(self) -> str: ...
+    @property
+    def gpu_uuid(self) -> str: ...
+    @property
+    def advertised(self) -> int: ...
+    @property
+    def allocated(self) -> int | None: ...
+
+
+class PluginCollector(Collector):
+    """Read at scrape time from the manager: time-sliced replicas and PodResources failures.
+
+    Generated from live state, so a GPU or resource that goes takes its series with it.
+    """
+
+    def __init__(
+        self, *, replicas: Callable[[], Sequence[ReplicaView]], pod_resources_failures: Callable[[], int]
+    ) -> None:
+        self._replicas = replicas
+        self._failures = pod_resources_failures
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        family = GaugeMetricFamily(
+            "gpu_agent_plugin_replicas",
+            "Time-sliced replicas of a GPU: advertised in ListAndWatch, and allocated to containers "
+            "(from PodResources; absent while unknown)",
+            labels=["resource", "uuid", "state"],
+        )
+        for r in self._replicas():
+            family.add_metric([r.resource, r.gpu_uuid, "advertised"], r.advertised)
+            if r.allocated is not None:
+                family.add_metric([r.resource, r.gpu_uuid, "allocated"], r.allocated)
+        yield family
+        yield CounterMetricFamily(
+            "gpu_agent_plugin_podresources_errors",
+            "Calls to the kubelet's PodResources API that failed (who holds which device is unknown meanwhile)",
+            value=self._failures(),
+        )
 
 
 class PluginMetrics:
@@ -26,6 +73,13 @@ class PluginMetrics:
             "gpu_agent_plugin_devices",
             "Devices advertised in ListAndWatch by health",
             ["resource", "health"],
+            registry=registry,
+        )
+        self.serve_errors = Counter(
+            "gpu_agent_plugin_serve_errors_total",
+            "Device plugin servers that failed to serve on their socket (no permission, a file in the way, "
+            "a self-check that failed)",
+            ["resource"],
             registry=registry,
         )
         self.registered = Gauge(

@@ -7,7 +7,9 @@ first) or a timer of its own fires, asks :func:`decide`, and takes the one :clas
 ========================================================  ===========================
 observed                                                  step
 ========================================================  ===========================
+not serving, within a repair's pause                      WAIT
 not serving                                               START (serve, Register)
+the watchdog asked for a repair                           STOP, then a pause, then START
 the kubelet holds a ListAndWatch stream of this run       IDLE: registered
 our socket file is gone or replaced                       RESTART (stop, serve, Register)
 Register accepted, the stream not open yet, within bound  WAIT for the stream
@@ -24,6 +26,13 @@ stream of ours, so never while the kubelet may still be ending an older one — 
 a real kubelet dropped the new connection. IDLE wins over a missing socket file: the kubelet
 only dials the socket inside Register, and the restart that needs a new file ends the stream
 first.
+
+A watchdog repair (``agent/watchdog.py``: the kubelet's allocatable devices or the Node's status
+disagree with what this server lists, for longer than the kubelet needs to catch up) outranks
+IDLE: the kubelet may hold a stream of ours and still count the wrong devices. The run stops
+(our streams end) and the server pauses before it serves and registers again: the kubelet
+handles a stream's end a moment after it sees it, by dropping the resource's *current* client,
+so a Register sent at once would be the new client it drops.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ class Action(StrEnum):
     WAIT = "wait"
     START = "start"
     RESTART = "restart"
+    STOP = "stop"
     REGISTER = "register"
 
 
@@ -55,6 +65,10 @@ class Observation:
     stream_deadline: float | None = None
     #: earliest time for the next attempt after a failure (None: now)
     retry_at: float | None = None
+    #: why the watchdog asked for a repair ("" when it did not)
+    repair: str = ""
+    #: after a repair's STOP: no START before this time (monotonic)
+    paused_until: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +83,11 @@ def decide(seen: Observation) -> Step:
     """The one step to take now (see the module table)."""
     retry_due = seen.retry_at is None or seen.now >= seen.retry_at
     if not seen.serving:
+        if seen.paused_until is not None and seen.now < seen.paused_until:
+            return Step(Action.WAIT, until=seen.paused_until)
         return Step(Action.START, "not serving") if retry_due else Step(Action.WAIT, until=seen.retry_at)
+    if seen.repair:
+        return Step(Action.STOP, f"watchdog: {seen.repair}")
     if seen.kubelet_stream_open:
         return Step(Action.IDLE)
     if not seen.socket_present:

@@ -59,6 +59,9 @@ class Timeouts:
     #: how long the kubelet may take after accepting Register to open ListAndWatch (it starts
     #: the stream at once; seconds mean a kubelet in trouble) before we register again
     stream_open_s: float = 5.0
+    #: after a watchdog repair stops a run: how long before it serves and registers again, so the
+    #: kubelet has handled the end of the old stream (it takes milliseconds)
+    repair_pause_s: float = 0.5
     #: quiet time that ends a burst of wake-ups: a kubelet restart's socket wipe and new
     #: kubelet.sock, ms apart, or everything that queued while the agent was paused
     settle_s: float = 0.05
@@ -104,6 +107,10 @@ class PluginServer:
         self._register_failures = 0
         self._unanswered = 0  # accepted Registers in a row whose stream never came
         self._waiting = False
+        #: the watchdog's reason for a repair, until the next pass restarts the run
+        self._repair = ""
+        self._paused_until: float | None = None
+        self.repairs = 0
         self.last_error = ""
         self.last_restart_reason = ""
         self.attempts = 0  # Register calls since the last accepted one
@@ -131,6 +138,11 @@ class PluginServer:
         return self._run.link.open_streams if self._run is not None else 0
 
     @property
+    def repairing(self) -> bool:
+        """Stopped by a watchdog repair, pausing before it serves and registers again."""
+        return self._paused_until is not None
+
+    @property
     def quiet(self) -> bool:
         """Waiting for a wake-up with none pending (tests wait for this before looking)."""
         return self._waiting and not self._wake.is_set()
@@ -144,6 +156,11 @@ class PluginServer:
         """
         self._retry_at = None
         self._wake.set()
+
+    def request_repair(self, reason: str) -> None:
+        """The watchdog saw the kubelet disagree with us: restart and register at the next pass."""
+        self._repair = reason or "the kubelet disagrees with the devices we list"
+        self.wake()
 
     def update(self, resource: Resource, *, config: PluginConfig, inventory: Inventory, scorer: TopologyScorer) -> None:
         """Adopt a re-planned resource of the same name in place (inventory or plugin config changed).
@@ -169,6 +186,14 @@ class PluginServer:
         """The devices this server offers the kubelet now (none while it is not serving)."""
         return self._run.service.devices() if self._run is not None and self.serving else []
 
+    def kubelet_view(self) -> frozenset[str]:
+        """The device IDs the kubelet should count as allocatable now: the healthy ones we list,
+        while it holds our stream; none otherwise (the kubelet marks a plugin's devices unhealthy
+        the moment its stream ends)."""
+        if not self.registered:
+            return frozenset()
+        return frozenset(d.device.id for d in self.advertised() if d.healthy)
+
     def debug_state(self) -> dict[str, object]:
         run = self._run
         devices = run.service.devices() if run is not None else []
@@ -187,6 +212,7 @@ class PluginServer:
             "healthy_count": sum(1 for d in devices if d.healthy),
             "open_streams": self.open_streams,
             "reconcile_passes": self.passes,
+            "watchdog_repairs": self.repairs,
         }
 
     # --- the loop -----------------------------------------------------------------------
@@ -216,6 +242,8 @@ class PluginServer:
             stream_seen=run is not None and run.link.stream_seen,
             stream_deadline=self._stream_deadline,
             retry_at=self._retry_at,
+            repair=self._repair,
+            paused_until=self._paused_until,
         )
 
     async def _take(self, step: Step) -> float | None:
@@ -225,6 +253,17 @@ class PluginServer:
             return None
         if step.action is Action.WAIT:
             return step.until
+        if step.action is Action.STOP:
+            self._repair = ""
+            self.repairs += 1
+            self.last_restart_reason = step.reason
+            log.warning("stopping the device plugin server to register again", reason=step.reason)
+            await self._stop()
+            self._paused_until = self._clock() + self._timeouts.repair_pause_s
+            return self._paused_until
+        if step.action is Action.START:
+            self._repair = ""  # a fresh run is what a repair asks for
+            self._paused_until = None
         if step.action is Action.RESTART:
             self.last_restart_reason = step.reason
             log.info("restarting device plugin server", reason=step.reason)
@@ -271,6 +310,7 @@ class PluginServer:
             await self._run.start(self_check_s=self._timeouts.self_check_s)
         except Exception as exc:  # StartupError, a self-check that fails or times out
             self._start_failures += 1
+            self._metrics.serve_errors.labels(self.resource.name).inc()
             self.last_error = f"serve on {self.socket_path}: {exc}"
             delay = self._backoff.delay(self._start_failures)
             log.warning(

@@ -163,6 +163,12 @@ class c_nvmlMemory_t:
 
 
 @dataclass
+class c_nvmlUtilization_t:
+    gpu: int
+    memory: int
+
+
+@dataclass
 class nvmlPciInfo_t:
     busId: bytes
     domain: int = 0
@@ -237,6 +243,12 @@ class FakeGpu:
     uuid_readback: str | None = None  # what nvmlDeviceGetUUID answers instead of uuid
     memory_total_override: int | None = None  # bytes
     temperature_error: int | BaseException | None = None  # NVML code or exception to raise
+    # utilization readings
+    utilization: int = 0  # percent, nvmlDeviceGetUtilizationRates().gpu
+    memory_used_mib: int = 512
+    utilization_error: int | None = None  # NVML code nvmlDeviceGetUtilizationRates raises
+    #: while set, nvmlDeviceGetUtilizationRates blocks until the event is set (a hung driver call)
+    utilization_hang: threading.Event | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -445,8 +457,21 @@ class FakeNvml(types.ModuleType):
             total = handle.mig.memory_mib * MIB
         else:
             total = gpu.memory_total_override if gpu.memory_total_override is not None else gpu.memory_mib * MIB
-        used = min(total, 512 * MIB)
+        used = min(total, gpu.memory_used_mib * MIB)
         return c_nvmlMemory_t(total=total, free=total - used, used=used)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: Handle) -> c_nvmlUtilization_t:
+        """As on a real GPU: NOT_SUPPORTED for MIG devices and for a GPU in MIG mode."""
+        self._enter("nvmlDeviceGetUtilizationRates")
+        gpu = self._gpu_of(handle)
+        hang = gpu.utilization_hang
+        if hang is not None:
+            hang.wait()
+        if gpu.utilization_error is not None:
+            raise NVMLError(gpu.utilization_error)
+        if handle.mig is not None or gpu.mig_enabled:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        return c_nvmlUtilization_t(gpu=gpu.utilization, memory=min(100, gpu.utilization // 2))
 
     def nvmlDeviceGetPciInfo(self, handle: Handle) -> nvmlPciInfo_t:
         self._enter("nvmlDeviceGetPciInfo")
