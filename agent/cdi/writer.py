@@ -28,6 +28,7 @@ from pathlib import Path
 from agent.cdi import spec as cdi_spec
 from agent.cdi.errors import InvalidSpecError, SpecConflictError, SpecWriteError
 from agent.cdi.names import SPEC_SUFFIX, SPEC_SUFFIXES, spec_file_name, transient_prefix
+from agent.fsutil import fsync_directory
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -96,20 +97,7 @@ def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE, sync_directo
             os.unlink(tmp)
         raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
     if sync_directory:
-        _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is done either way
-    finally:
-        os.close(fd)
+        fsync_directory(directory)
 
 
 def read_spec_file(path: Path) -> cdi_spec.Spec:
@@ -206,7 +194,7 @@ class SpecWriter:
 
     def sync_directory(self) -> None:
         """Make the renames and removals of a batch durable (one fsync of the directory)."""
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def remove(self, name: str, *, sync_directory: bool = True) -> bool:
         """Delete an owned file; False when it was already gone (idempotent)."""
@@ -220,7 +208,7 @@ class SpecWriter:
         except OSError as exc:
             raise SpecWriteError(f"cannot remove {path}: {_reason(exc)}") from exc
         if sync_directory:
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         return True
 
     def remove_stale_temp_files(self) -> list[str]:

@@ -38,6 +38,7 @@ from typing import Any, Literal
 import structlog
 
 from agent.errors import AgentError, StartupError
+from agent.fsutil import fsync_directory
 
 log = structlog.get_logger("agent.dra")
 
@@ -348,7 +349,7 @@ class CheckpointStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        _fsync_directory(self.directory)
+        fsync_directory(self.directory)
 
     def _remove_stale_temp_files(self) -> None:
         """Temp files of a write a crash interrupted (the checkpoint itself is intact)."""
@@ -361,16 +362,3 @@ class CheckpointStore:
                 with contextlib.suppress(OSError):
                     os.unlink(self.directory / name)
                     log.info("dra.checkpoint_temp_removed", file=name)
-
-
-def _fsync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the rename is done either way
-    finally:
-        os.close(fd)

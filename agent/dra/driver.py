@@ -147,20 +147,7 @@ class _Pending:
             namespace=self.ref.namespace,
             name=self.ref.name,
             uid=self.ref.uid,
-            devices=tuple(
-                PreparedDevice(
-                    pool=p.result.pool,
-                    name=p.device.name,
-                    uuid=p.device.uuid,
-                    gpu_uuid=p.device.gpu_uuid,
-                    requests=(p.result.main_request,),
-                    share_id=p.result.share_id,
-                    cdi_ids=(cdi[p.device.uuid],),
-                    env=dict(p.env),
-                    admin_access=p.result.admin_access,
-                )
-                for p in self.planned
-            ),
+            devices=tuple(_as_prepared(p, cdi_ids=(cdi[p.device.uuid],)) for p in self.planned),
             prepared_at=self.existing.prepared_at if self.existing is not None else now,
         )
 
@@ -655,7 +642,8 @@ class DraDriver:
             self._metrics.checkpoint_writes.labels(result="ok").inc()
 
 
-def _as_prepared(p: PlannedDevice) -> PreparedDevice:
+def _as_prepared(p: PlannedDevice, *, cdi_ids: tuple[str, ...] = ()) -> PreparedDevice:
+    """The checkpoint's record of a planned device (CDI IDs once its spec is written)."""
     return PreparedDevice(
         pool=p.result.pool,
         name=p.device.name,
@@ -663,7 +651,8 @@ def _as_prepared(p: PlannedDevice) -> PreparedDevice:
         gpu_uuid=p.device.gpu_uuid,
         requests=(p.result.main_request,),
         share_id=p.result.share_id,
-        cdi_ids=(),
+        cdi_ids=cdi_ids,
+        env=dict(p.env),
         admin_access=p.result.admin_access,
     )
 

@@ -8,7 +8,9 @@ subclasses a given binding generates. The module object is still passed in becau
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from agent.errors import (
     BackendError,
@@ -78,3 +80,15 @@ def translate_init(nvml: ModuleType, exc: BaseException) -> BackendError:
     if nvml_code(nvml, exc) == ERROR_LIBRARY_NOT_FOUND:
         return LibraryMissingError(LIBRARY_MISSING_MESSAGE)
     return BackendInitError(f"NVML did not initialise: {describe(nvml, exc)}")
+
+
+def optional_call(nvml: ModuleType, fn: Callable[..., Any] | None, *args: Any) -> Any:
+    """``fn(*args)``; None when the binding lacks the function or the device does not support it."""
+    if fn is None:
+        return None
+    try:
+        return fn(*args)
+    except nvml.NVMLError as exc:
+        if nvml_code(nvml, exc) in NOT_SUPPORTED_CODES:
+            return None
+        raise

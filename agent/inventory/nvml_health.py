@@ -27,9 +27,9 @@ from agent.inventory.nvml_errors import (
     ERROR_GPU_IS_LOST,
     ERROR_INVALID_ARGUMENT,
     ERROR_NOT_FOUND,
-    NOT_SUPPORTED_CODES,
     describe,
     nvml_code,
+    optional_call,
 )
 from agent.inventory.nvml_inventory import text
 
@@ -82,7 +82,7 @@ def check_gpu(nvml: ModuleType, gpu: Gpu, handle: Any = None) -> CheckResult:
         if seen != uuid:
             return _garbage(uuid, f"UUID read back as {seen!r}")
         step = "reading memory info"
-        memory = _optional(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
+        memory = optional_call(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
         if memory is not None:
             total, used = int(memory.total), int(memory.used)
             if total <= 0 or total > MAX_PLAUSIBLE_MEMORY_BYTES:
@@ -91,7 +91,7 @@ def check_gpu(nvml: ModuleType, gpu: Gpu, handle: Any = None) -> CheckResult:
                 return _garbage(uuid, f"used memory {used} bytes exceeds total {total} bytes")
         step = "reading its temperature"
         sensor = getattr(nvml, "NVML_TEMPERATURE_GPU", 0)
-        temperature = _optional(nvml, nvml.nvmlDeviceGetTemperature, handle, sensor)
+        temperature = optional_call(nvml, nvml.nvmlDeviceGetTemperature, handle, sensor)
         if temperature is not None and int(temperature) > MAX_PLAUSIBLE_TEMPERATURE_C:
             return _garbage(uuid, f"temperature {int(temperature)} C")
     except nvml.NVMLError as exc:
@@ -129,15 +129,6 @@ def _lost(uuid: str, detail: str) -> CheckResult:
 
 def _garbage(uuid: str, detail: str) -> CheckResult:
     return CheckResult(Signal(uuid=uuid, kind=SignalKind.GARBAGE, detail=detail), f"garbage: {detail}")
-
-
-def _optional(nvml: ModuleType, fn: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except nvml.NVMLError as exc:
-        if nvml_code(nvml, exc) in NOT_SUPPORTED_CODES:
-            return None
-        raise
 
 
 class InFlight:

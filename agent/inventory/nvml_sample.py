@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import structlog
 
 from agent.inventory.model import Inventory
-from agent.inventory.nvml_errors import NOT_SUPPORTED_CODES, describe, nvml_code
+from agent.inventory.nvml_errors import describe, optional_call
 from agent.inventory.sample import DeviceSample, mib
 
 T = TypeVar("T")
@@ -59,8 +59,8 @@ def _read(nvml: ModuleType, uuid: str, out: dict[str, DeviceSample], read: Calla
 
 
 def _gpu_sample(nvml: ModuleType, uuid: str, handle: Any) -> DeviceSample:
-    rates = _optional(nvml, "nvmlDeviceGetUtilizationRates", handle)
-    memory = _optional(nvml, "nvmlDeviceGetMemoryInfo", handle)
+    rates = optional_call(nvml, getattr(nvml, "nvmlDeviceGetUtilizationRates", None), handle)
+    memory = optional_call(nvml, getattr(nvml, "nvmlDeviceGetMemoryInfo", None), handle)
     return DeviceSample(
         uuid=uuid,
         gpu_percent=float(rates.gpu) if rates is not None else None,
@@ -70,25 +70,14 @@ def _gpu_sample(nvml: ModuleType, uuid: str, handle: Any) -> DeviceSample:
 
 
 def _mig_sample(nvml: ModuleType, uuid: str, parent: Any, slot: int) -> DeviceSample:
-    memory = _optional(nvml, "nvmlDeviceGetMemoryInfo", nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot))
+    memory = optional_call(
+        nvml, getattr(nvml, "nvmlDeviceGetMemoryInfo", None), nvml.nvmlDeviceGetMigDeviceHandleByIndex(parent, slot)
+    )
     return DeviceSample(
         uuid=uuid,
         memory_used_mib=mib(memory.used) if memory is not None else None,
         memory_total_mib=mib(memory.total) if memory is not None else None,
     )
-
-
-def _optional(nvml: ModuleType, name: str, *args: Any) -> Any:
-    """The query's answer; None when the binding lacks it or the device does not support it."""
-    fn = getattr(nvml, name, None)
-    if fn is None:
-        return None
-    try:
-        return fn(*args)
-    except nvml.NVMLError as exc:
-        if nvml_code(nvml, exc) in NOT_SUPPORTED_CODES:
-            return None
-        raise
 
 
 async def in_daemon_thread(fn: Callable[..., T], *args: object, name: str) -> T:
