@@ -196,7 +196,7 @@ async def agent_process(
         command += ["--node-name", NODE]
     log = (root / "agent.log").open("wb")
     started = time.monotonic()
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    proc = await asyncio.to_thread(subprocess.Popen, command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     server = Server(f"agent ({name})", proc, plugin_dir / PLUGIN_SOCKET)
     try:
         register_s = 0.0
@@ -267,7 +267,8 @@ class Figures:
 
     def row(self, label: str) -> str:
         return (
-            f"  {label:34s} {self.p50_ms:6.2f} {self.p99_ms:7.2f} {self.per_s:8.0f} {self.cpu_ms:8.3f} {self.rss_mib:7.1f}"
+            f"  {label:34s} {self.p50_ms:6.2f} {self.p99_ms:7.2f} {self.per_s:8.0f}"
+            f" {self.cpu_ms:8.3f} {self.rss_mib:7.1f}"
         )
 
 
@@ -398,7 +399,7 @@ async def both_mechanisms(bench: Bench, work: Path, *, allocates: int, streams: 
     try:
         put_claims(api, dra_pairs, [4], "rss")
         kubeconfig = write_kubeconfig(work, api.url, {"token": "t"})
-        config = 'plugin: {device_list_strategy: [cdi-cri]}\nownership:\n  nodes:\n    - gpus: {"4": dra, "5": dra, "6": dra, "7": dra}\n'
+        config = BOTH_CONFIG
         args = ("--kubeconfig", str(kubeconfig))
         async with agent_process(work, "both", config, args=args) as agent:
             await register_dra(agent)
@@ -413,8 +414,10 @@ async def both_mechanisms(bench: Bench, work: Path, *, allocates: int, streams: 
             await bench.call(dra_single_pairs, dra_socket, dra_pairs)
             await asyncio.sleep(2.0)
             after = rss_mib(pid)
-            print(f"\nboth mechanisms, 8 GPUs (4 device plugin with cdi-cri, 4 DRA), fake API server; start -> Register "
-                  f"{agent.start_to_register_s * 1000:.0f} ms, ready {agent.start_to_ready_s * 1000:.0f} ms")
+            print(
+                "\nboth mechanisms, 8 GPUs (4 device plugin with cdi-cri, 4 DRA), fake API server; start -> Register "
+                f"{agent.start_to_register_s * 1000:.0f} ms, ready {agent.start_to_ready_s * 1000:.0f} ms"
+            )
             print(f"  RSS when ready                      {ready_rss:6.1f} MiB")
             print(
                 f"  RSS after {allocates} Allocates, {streams} ListAndWatch streams ({answered} answered, waves of "
@@ -422,6 +425,14 @@ async def both_mechanisms(bench: Bench, work: Path, *, allocates: int, streams: 
             )
     finally:
         await api.stop()
+
+
+BOTH_CONFIG = """
+plugin: {device_list_strategy: [cdi-cri]}
+ownership:
+  nodes:
+    - gpus: {"4": dra, "5": dra, "6": dra, "7": dra}
+"""
 
 
 def dra_single_pairs(socket_path: str, pairs: int) -> None:

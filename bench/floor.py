@@ -20,7 +20,6 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
