@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import structlog
 import typer
 
-from agent import __version__
+from agent import __version__, eventloop
 from agent.cdi.cli import cdi_app
 from agent.config.loader import build_config, env_overrides, load_config, read_document
 from agent.errors import AgentError, ConfigError
@@ -139,7 +139,8 @@ def run(
     configure_logging(str(overrides.get("log_level", "info")))
     options = RunOptions(config_path=config, overrides=overrides)
     with user_errors():
-        code = asyncio.run(_run(options))
+        loop = eventloop.chosen()
+        code = eventloop.run(_run(options), loop=loop)
     raise typer.Exit(code)
 
 

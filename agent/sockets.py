@@ -29,6 +29,7 @@ from grpclib.protocol import H2Protocol
 from grpclib.server import Server
 
 from agent.errors import StartupError
+from agent.grpcwrite import coalesce_writes
 
 log = structlog.get_logger("agent.sockets")
 
@@ -93,7 +94,7 @@ class _Server(Server):
         self._protocols: weakref.WeakSet[H2Protocol] = weakref.WeakSet()
 
     def _protocol_factory(self) -> H2Protocol:
-        protocol = super()._protocol_factory()
+        protocol = coalesce_writes(super()._protocol_factory())  # one send per loop turn
         self._protocols.add(protocol)
         return protocol
 

@@ -48,10 +48,15 @@ class CannedAllocate:
         }
 
 
-async def serve(socket: str, response: Any) -> None:
+async def serve(socket: str, response: Any, coalesce: bool = False) -> None:
     from grpclib.server import Server
 
     server = Server([CannedAllocate(response)])
+    if coalesce:
+        from agent.grpcwrite import coalesce_writes
+
+        factory = server._protocol_factory
+        server._protocol_factory = lambda: coalesce_writes(factory())  # type: ignore[method-assign]
     await server.start(path=socket)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -69,6 +74,7 @@ def main() -> None:
     parser.add_argument("response", type=Path)
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument("--codec", choices=("pure", "rust"), default="pure")
+    parser.add_argument("--coalesce", action="store_true", help="one socket write per loop turn (agent/grpcwrite.py)")
     args = parser.parse_args()
     if args.codec == "pure":
         sys.modules["betterproto_rust_codec"] = None  # type: ignore[assignment]  # betterproto's import fails
@@ -78,9 +84,9 @@ def main() -> None:
     if args.loop == "uvloop":
         import uvloop
 
-        uvloop.run(serve(args.socket, response))
+        uvloop.run(serve(args.socket, response, args.coalesce))
     else:
-        asyncio.run(serve(args.socket, response))
+        asyncio.run(serve(args.socket, response, args.coalesce))
 
 
 if __name__ == "__main__":

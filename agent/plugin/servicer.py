@@ -13,8 +13,8 @@ escaping a handler is a bug: logged with its traceback and answered ``INTERNAL``
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -26,12 +26,15 @@ from grpclib.const import Status
 from grpclib.server import Stream
 
 from agent._proto.deviceplugin import v1beta1 as pb
-from agent.plugin.allocate import ContainerAllocation
+from agent.logs import debug_enabled, next_request_id
+from agent.plugin.allocate import AllocationKey, ContainerAllocation
 from agent.plugin.errors import AllocationError, ErrorKind
 from agent.plugin.resources import DeviceState
 from agent.plugin.service import PreferredRequest, ResourceService
 
 log = structlog.get_logger("agent.plugin")
+#: the per-Allocate line is debug: at info its cost showed in the throughput (docs/performance.md)
+_debug = debug_enabled("agent.plugin")
 
 SERVICE = "/v1beta1.DevicePlugin"
 _STATUS = {
@@ -54,6 +57,21 @@ def devices_message(devices: list[DeviceState]) -> pb.ListAndWatchResponse:
 
 
 def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
+    """The protobuf answer for one container. Answers repeat (the same devices under the same
+    config), and building betterproto messages costs more than the rest of an Allocate, so
+    they are kept (bounded) and shared: nothing mutates a message once built. An answer with
+    annotations carries a per-request key (``cdi-annotations``) and is never kept."""
+    if allocation.annotations:
+        return _build_response(allocation)
+    return _kept_response(allocation.key())
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_response(key: AllocationKey) -> pb.ContainerAllocateResponse:
+    return _build_response(ContainerAllocation.from_key(key))
+
+
+def _build_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
     return pb.ContainerAllocateResponse(
         envs=dict(allocation.envs),
         mounts=[
@@ -91,7 +109,7 @@ class DevicePluginServicer:
         started = time.perf_counter()
         result = "ok"
         with structlog.contextvars.bound_contextvars(
-            request_id=uuid.uuid4().hex[:12], method=method, resource=self.service.resource.name
+            request_id=next_request_id(), method=method, resource=self.service.resource.name
         ):
             try:
                 yield
@@ -145,7 +163,7 @@ class DevicePluginServicer:
         try:
             with (
                 structlog.contextvars.bound_contextvars(
-                    request_id=uuid.uuid4().hex[:12], method="ListAndWatch", resource=service.resource.name
+                    request_id=next_request_id(), method="ListAndWatch", resource=service.resource.name
                 ),
                 service.changed.subscribe() as changes,
             ):
@@ -186,7 +204,8 @@ class DevicePluginServicer:
         async def handle(request: pb.AllocateRequest) -> pb.AllocateResponse:
             ids = [list(r.devices_ids) for r in request.container_requests]
             allocations = await self.service.allocate(ids)
-            log.info("allocated", device_ids=ids)
+            if _debug():
+                log.debug("allocated", device_ids=ids, answers=[a.summary() for a in allocations])
             return pb.AllocateResponse(container_responses=[container_response(a) for a in allocations])
 
         await self._unary(stream, "Allocate", handle)
