@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import platform
@@ -56,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import compare_client as client
 from tests.fake_apiserver import NODE, FakeApiServer, write_kubeconfig
 from tests.fake_kubelet import FakeKubelet
+from tests.fake_podresources import FakePodResources
 
 STRATEGIES = ("envvar", "volume-mounts", "cdi-annotations", "cdi-cri")
 RESOURCE = "nvidia.com/gpu"
@@ -159,25 +161,39 @@ class Agent:
         return sum(1 for _ in (self.root / "agent.log").open("rb"))
 
 
+#: the agent on the stack as pinned: the standard event loop, betterproto's own codec
+STOCK_STACK = (
+    "import runpy, sys; sys.modules['betterproto_rust_codec'] = None; "
+    "runpy.run_module('agent', run_name='__main__', alter_sys=True)"
+)
+
+
 @contextlib.asynccontextmanager
 async def agent_process(
-    work: Path, name: str, config: str, *, args: tuple[str, ...] = (), register: bool = True
+    work: Path, name: str, config: str, *, args: tuple[str, ...] = (), register: bool = True, stock: bool = False
 ) -> AsyncIterator[Agent]:
-    """``python -m agent run --simulated`` in ``work/name`` with a fake kubelet; yields once ready."""
+    """``python -m agent run --simulated`` in ``work/name`` with a fake kubelet; yields once ready.
+
+    ``stock``: on the standard event loop and betterproto's own codec (what the floor runs on).
+    """
     root = work / name
     kubelet_root = root / "k"
     plugin_dir = kubelet_root / "device-plugins"
-    for d in (plugin_dir, root / "cdi", root / "state"):
+    cdi_root = cdi_directory(work) / name
+    for d in (plugin_dir, cdi_root, root / "state"):
         d.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(config)
     kubelet = FakeKubelet(plugin_dir)
     await kubelet.start()
+    pod_resources = FakePodResources(kubelet_root / "pod-resources")  # no pod holds a GPU
+    pod_resources.start_threaded()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
+    if stock:
+        env["GPU_AGENT_EVENT_LOOP"] = "asyncio"
     command = [
         sys.executable,
-        "-m",
-        "agent",
+        *(("-c", STOCK_STACK) if stock else ("-m", "agent")),
         "run",
         "--simulated",
         "--config",
@@ -185,7 +201,7 @@ async def agent_process(
         "--kubelet-root",
         str(kubelet_root),
         "--cdi-root",
-        str(root / "cdi"),
+        str(cdi_root),
         "--state-dir",
         str(root / "state"),
         "--debug-addr",
@@ -214,6 +230,16 @@ async def agent_process(
         server.stop()
         log.close()
         await kubelet.stop()
+        pod_resources.stop_threaded()
+
+
+def cdi_directory(work: Path) -> Path:
+    """Where the agents' CDI specs go: a tmpfs when there is one, as ``/var/run/cdi`` is on a node
+    (the state directory, with the DRA checkpoint, stays on the work directory's disk)."""
+    shm = Path("/dev/shm")
+    if fs_type(shm) == "tmpfs" and os.access(shm, os.W_OK):
+        return shm / work.name
+    return work / "cdi"
 
 
 def _ready(port: int) -> bool:
@@ -280,33 +306,41 @@ def plugin_config(strategy: str) -> str:
 
 
 async def compare_strategy(
-    bench: Bench, work: Path, strategy: str, *, calls: int, rounds: int, extra_floors: bool
+    bench: Bench, work: Path, strategy: str, *, calls: int, rounds: int, extra_floors: bool, stock_agent: bool
 ) -> tuple[Figures, Figures, Agent]:
-    async with agent_process(work, strategy, plugin_config(strategy)) as agent:
+    async with contextlib.AsyncExitStack() as stack:
+        agent = await stack.enter_async_context(agent_process(work, strategy, plugin_config(strategy)))
         devices = _plugin_devices(agent)
         response = await bench.call(client.allocate_once, str(agent.server.socket), devices[0])
-        with floor_server(work, response) as floor, contextlib.ExitStack() as extra:
-            servers = [floor, agent.server]
-            if extra_floors:
-                servers.append(extra.enter_context(floor_server(work, response, loop="uvloop", codec="rust")))
-            chunk = max(1, calls // rounds)
-            for _ in range(rounds):
-                for server in servers:
-                    await bench.load(server, devices, 1, chunk)
-                for server in servers:
-                    await bench.load(server, devices, CALLERS, chunk)
-            figures = [Figures.of(s) for s in servers]
-            print(f"\n{strategy}: agent started -> Register {agent.start_to_register_s * 1000:.0f} ms")
-            print(HEADER)
-            for server, figure in zip(servers, figures, strict=True):
-                print(figure.row(server.name))
-            f, a = figures[0], figures[1]
+        floor = stack.enter_context(floor_server(work, response))
+        servers = [floor, agent.server]
+        if stock_agent:
+            stock = await stack.enter_async_context(
+                agent_process(work, f"{strategy}-stock", plugin_config(strategy), stock=True)
+            )
+            stock.server.name = f"agent ({strategy}, stock loop+codec)"
+            servers.append(stock.server)
+        if extra_floors:
+            servers.append(stack.enter_context(floor_server(work, response, loop="uvloop", codec="rust")))
+        chunk = max(1, calls // rounds)
+        for _ in range(rounds):
+            for server in servers:
+                await bench.load(server, devices, 1, chunk)
+            for server in servers:
+                await bench.load(server, devices, CALLERS, chunk)
+        figures = [Figures.of(s) for s in servers]
+        print(f"\n{strategy}: agent started -> Register {agent.start_to_register_s * 1000:.0f} ms")
+        print(HEADER)
+        for server, figure in zip(servers, figures, strict=True):
+            print(figure.row(server.name))
+        f = figures[0]
+        for server, a in zip(servers[1:], figures[1:], strict=True):
             print(
-                f"  {'agent / floor':34s} {a.p50_ms / f.p50_ms:6.2f} {a.p99_ms / f.p99_ms:7.2f}"
+                f"  {'÷ floor: ' + server.name:34.34s} {a.p50_ms / f.p50_ms:6.2f} {a.p99_ms / f.p99_ms:7.2f}"
                 f" {a.per_s / f.per_s:8.2f} {a.cpu_ms / f.cpu_ms:8.2f} {a.rss_mib / f.rss_mib:7.2f}"
             )
-            print(f"  agent log lines written: {agent.log_lines()}")
-            return f, a, agent
+        print(f"  agent log lines written: {agent.log_lines()}")
+        return f, figures[1], agent
 
 
 def _plugin_devices(agent: Agent) -> list[str]:
@@ -382,10 +416,14 @@ async def dra_batches(bench: Bench, work: Path, rounds: int) -> None:
         args = ("--kubeconfig", str(kubeconfig), "--preset", str(preset))
         async with agent_process(work, "dra", config, args=args, register=False) as agent:
             await register_dra(agent)
+            await until(lambda: set(_owners(agent.debug_port)) == {"dra"}, within_s=30, what="every GPU granted to DRA")
             socket_path = agent.root / "k" / "plugins" / DRIVER / "dra.sock"
             figures = await bench.call(client.dra_prepare_rounds, str(socket_path), rounds, BATCH, "bench")
             print(f"\nDRA, agent process with a fake API server (claims GET over HTTP), {BATCH + 1} simulated GPUs,")
-            print(f"checkpoint and CDI specs fsynced on {fs_type(agent.root)}; {rounds} rounds on fresh claims")
+            print(
+                f"checkpoint fsynced on {fs_type(agent.root)}, CDI specs on {fs_type(cdi_directory(work))};"
+                f" {rounds} rounds on fresh claims"
+            )
             for key, samples in figures.items():
                 print(f"  {key:14s} {percentiles(samples)}")
             print(f"  agent RSS {rss_mib(agent.server.pid):.1f} MiB")
@@ -403,6 +441,7 @@ async def both_mechanisms(bench: Bench, work: Path, *, allocates: int, streams: 
         args = ("--kubeconfig", str(kubeconfig))
         async with agent_process(work, "both", config, args=args) as agent:
             await register_dra(agent)
+            await until(lambda: _owners(agent.debug_port) == BOTH_OWNERS, within_s=30, what="GPUs 4-7 granted to DRA")
             await asyncio.sleep(1.0)
             pid = agent.server.pid
             ready_rss = rss_mib(pid)
@@ -427,12 +466,22 @@ async def both_mechanisms(bench: Bench, work: Path, *, allocates: int, streams: 
         await api.stop()
 
 
-BOTH_CONFIG = """
-plugin: {device_list_strategy: [cdi-cri]}
+BOTH_CONFIG = f"""
+plugin: {{device_list_strategy: [cdi-cri]}}
 ownership:
   nodes:
-    - gpus: {"4": dra, "5": dra, "6": dra, "7": dra}
+    - match: {{names: [{NODE}]}}
+      gpus: {{"4": dra, "5": dra, "6": dra, "7": dra}}
 """
+
+
+BOTH_OWNERS = ["device-plugin"] * 4 + ["dra"] * 4
+
+
+def _owners(port: int) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/debug/state", timeout=5) as response:
+        state = json.loads(response.read())
+    return [d["owner"] for d in sorted(state["devices"], key=lambda d: d["index"])]
 
 
 def dra_single_pairs(socket_path: str, pairs: int) -> None:
@@ -483,7 +532,13 @@ async def main(args: argparse.Namespace) -> None:
             bench = Bench(pool)
             for strategy in strategies:
                 floor, agent, run = await compare_strategy(
-                    bench, work, strategy, calls=args.calls, rounds=args.rounds, extra_floors=args.extra_floors
+                    bench,
+                    work,
+                    strategy,
+                    calls=args.calls,
+                    rounds=args.rounds,
+                    extra_floors=args.extra_floors,
+                    stock_agent=args.stock_agent,
                 )
                 registers.append(run.start_to_register_s)
                 ratios.append((strategy, agent.p50_ms / floor.p50_ms, agent.per_s / floor.per_s))
@@ -492,6 +547,7 @@ async def main(args: argparse.Namespace) -> None:
                 await dra_batches(bench, work, args.dra_rounds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(cdi_directory(work), ignore_errors=True)
     print("\nsummary (goals: p50 ratio <= 1.1, throughput ratio >= 0.85, start -> Register < 500 ms)")
     for strategy, p50, per_s in ratios:
         print(f"  {strategy:16s} p50 ratio {p50:5.2f}   throughput ratio {per_s:5.2f}")
@@ -505,6 +561,9 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=3, help="turns the servers take (calls split between them)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--extra-floors", action="store_true", help="also a floor on uvloop with the Rust codec")
+    parser.add_argument(
+        "--stock-agent", action="store_true", help="also the agent on the standard loop and betterproto's own codec"
+    )
     parser.add_argument("--skip-mechanisms", action="store_true", help="only the strategies, no DRA/RSS runs")
     parser.add_argument("--dra-rounds", type=int, default=20)
     parser.add_argument("--wave", type=int, default=50, help="ListAndWatch streams open at once in the burst")

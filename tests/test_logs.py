@@ -60,3 +60,17 @@ def test_request_ids_are_twelve_hex_digits_and_do_not_repeat() -> None:
     ids = [next_request_id() for _ in range(10_000)]
     assert all(re.fullmatch(r"[0-9a-f]{12}", i) for i in ids)
     assert len(set(ids)) == len(ids)
+
+
+def test_the_agent_loads_without_rich_until_someone_asks_for_it() -> None:
+    """structlog is imported with rich hidden (5 MiB at every start); typer can still load it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, agent.app, agent.cli; assert 'rich' not in sys.modules, 'rich loaded'; "
+        "import rich.console; print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
