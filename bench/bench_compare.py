@@ -578,6 +578,9 @@ if __name__ == "__main__":
     parser.add_argument("--skip-mechanisms", action="store_true", help="only the strategies, no DRA/RSS runs")
     parser.add_argument("--dra-rounds", type=int, default=20)
     parser.add_argument(
-        "--wave", type=int, default=7, help="ListAndWatch streams open at once in the burst (under a cap of 8, the kubelet holds one)"
+        "--wave",
+        type=int,
+        default=7,
+        help="ListAndWatch streams open at once in the burst (under a cap of 8, the kubelet holds one)",
     )
     asyncio.run(main(parser.parse_args()))

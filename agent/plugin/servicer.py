@@ -56,14 +56,19 @@ def devices_message(devices: list[DeviceState]) -> pb.ListAndWatchResponse:
     return pb.ListAndWatchResponse(devices=out)
 
 
-def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
-    """The protobuf answer for one container. Answers repeat (the same devices under the same
+def allocate_response(allocations: list[ContainerAllocation]) -> pb.AllocateResponse:
+    """The protobuf answer to an Allocate. Answers repeat (the same devices under the same
     config), and building betterproto messages costs more than the rest of an Allocate, so
     they are kept (bounded) and shared: nothing mutates a message once built. An answer with
     annotations carries a per-request key (``cdi-annotations``) and is never kept."""
-    if allocation.annotations:
-        return _build_response(allocation)
-    return _kept_response(allocation.key())
+    if any(a.annotations for a in allocations):
+        return pb.AllocateResponse(container_responses=[_build_response(a) for a in allocations])
+    return _kept_answer(tuple(a.key() for a in allocations))
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_answer(keys: tuple[AllocationKey, ...]) -> pb.AllocateResponse:
+    return pb.AllocateResponse(container_responses=[_kept_response(k) for k in keys])
 
 
 @functools.lru_cache(maxsize=256)
@@ -206,7 +211,7 @@ class DevicePluginServicer:
             allocations = await self.service.allocate(ids)
             if _debug():
                 log.debug("allocated", device_ids=ids, answers=[a.summary() for a in allocations])
-            return pb.AllocateResponse(container_responses=[container_response(a) for a in allocations])
+            return allocate_response(allocations)
 
         await self._unary(stream, "Allocate", handle)
 
