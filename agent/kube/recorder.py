@@ -123,11 +123,12 @@ class EventRecorder:
         """Drain the queue until cancelled."""
         while True:
             due = self._next_flush()
+            item: _Item | None = None
             try:
-                if due is None:
-                    item: _Item | None = await self._queue.get()
-                else:
-                    item = await asyncio.wait_for(self._queue.get(), max(0.0, due - self._clock()))
+                # asyncio.timeout, not wait_for: on 3.11 a cancellation that arrives as wait_for's
+                # timer fires can be lost, and shutdown then waits on this task for ever
+                async with asyncio.timeout(None if due is None else max(0.0, due - self._clock())):
+                    item = await self._queue.get()
             except TimeoutError:
                 item = None
             if item is not None:
