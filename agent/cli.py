@@ -24,7 +24,7 @@ import structlog
 import typer
 from typer.core import TyperGroup
 
-from agent import __version__
+from agent import __version__, eventloop
 from agent.cdi.cli import cdi_app
 from agent.config.check import check_preset_flag
 from agent.config.loader import build_config, env_overrides, load_config, read_document
@@ -199,7 +199,8 @@ def run(
     with user_errors():
         if preset is not None:
             check_preset_flag(preset, load_config(config, overrides).config)
-        code = asyncio.run(_run(options))
+        loop = eventloop.chosen()
+        code = eventloop.run(_run(options), loop=loop)
     raise typer.Exit(code)
 
 

@@ -1,12 +1,16 @@
 """structlog, configured once: JSON lines off a terminal, readable console output on one.
 
 Standard-library loggers (aiohttp, grpclib, asyncio) are bridged into the same output so
-that one process writes one format.
+that one process writes one format. A structlog call below the level in force costs one level
+check (``filter_by_level`` comes first), not the processor chain; hot paths that would build
+their event's fields guard with :func:`debug_enabled`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +36,11 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
     structlog.configure(
-        processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
         logger_factory=structlog.stdlib.LoggerFactory(),
         wrapper_class=structlog.stdlib.BoundLogger,
         cache_logger_on_first_use=False,
@@ -77,3 +85,20 @@ class LogThrottle:
         self._next = now + self._every_s
         count, self._folded = self._folded, 0
         return count
+
+
+def debug_enabled(logger_name: str) -> Callable[[], bool]:
+    """A cheap check for hot paths: whether ``logger_name`` logs at debug now (follows
+    :func:`set_level` live). Reads the effective level, as ``filter_by_level`` does."""
+    logger = logging.getLogger(logger_name)
+    return lambda: not logger.disabled and logger.getEffectiveLevel() <= logging.DEBUG
+
+
+_REQUEST_PREFIX = secrets.randbits(16)
+_request_numbers = itertools.count()
+
+
+def next_request_id() -> str:
+    """A 12-hex-digit ID for one RPC's log lines: a per-process random prefix and a counter
+    (a uuid4 per call costs more than the rest of the request's logging context)."""
+    return f"{_REQUEST_PREFIX:04x}{next(_request_numbers) & 0xFFFFFFFF:08x}"

@@ -42,6 +42,7 @@ from h2.settings import SettingCodes
 from agent.connections import CappedProtocol, ConnectionCap
 from agent.errors import StartupError
 from agent.grpclimits import CallGate, GrpcLimits
+from agent.grpcwrite import coalesce_writes
 
 log = structlog.get_logger("agent.sockets")
 
@@ -185,7 +186,9 @@ class _Server(Server):
         self.connections = ConnectionCap(limits.max_connections, name=name)
 
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
-        return _Connection(super()._protocol_factory(), self.connections, self.gate.limits)
+        # one send per loop turn for a response's frames (agent/grpcwrite.py)
+        inner = coalesce_writes(super()._protocol_factory())
+        return _Connection(inner, self.connections, self.gate.limits)
 
     def close_connections(self) -> None:
         for connection in list(self.connections.open):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -264,6 +265,126 @@ async def test_deleted_spec_is_back_long_before_the_period(
         assert spec.read_bytes() == original
         (tmp_path / "cdi" / "someone-else.json").write_text("{}")  # not ours: ignored, untouched
         assert (tmp_path / "cdi" / "someone-else.json").read_text() == "{}"
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def _quiet_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> CdiService:
+    """A service whose period (an hour) never comes round in a test."""
+    return CdiService(
+        config=CdiConfig(reconcile_interval_s=3600),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=InventoryState(inventory(2)),
+        registry=registry,
+        hook_candidates=[],
+    )
+
+
+def _checks(service: CdiService) -> object:
+    return service.debug_state()["device_plugin_spec_checks"]
+
+
+async def _until_known_current(service: CdiService) -> None:
+    """Ensure until the service trusts its memory (its own writes' watch events come first)."""
+    async with asyncio.timeout(5.0):
+        while not service.debug_state()["device_plugin_spec_known_current"]:
+            await service.ensure_device_plugin_spec()
+            await asyncio.sleep(0.005)
+
+
+async def test_steady_state_ensure_answers_from_memory(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """While the watch runs and nothing changed, an Allocate's ensure does not look at the disk."""
+    service = _quiet_service(tmp_path, driver, registry)
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await _until_known_current(service)
+        checks = _checks(service)
+        for _ in range(100):
+            await service.ensure_device_plugin_spec()
+            await asyncio.sleep(0)
+        assert _checks(service) == checks
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    # without a running watch nothing is trusted: every call looks again
+    (tmp_path / "cdi" / DP_FILE).unlink()
+    await service.ensure_device_plugin_spec()
+    assert (tmp_path / "cdi" / DP_FILE).exists()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "tampered"])
+async def test_ensure_repairs_a_spec_changed_behind_its_back(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry, damage: str
+) -> None:
+    """Once the watch reports the file, the next ensure checks and repairs it itself (the
+    reconciler is held back here, so only ensure can)."""
+    service = _quiet_service(tmp_path, driver, registry)
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await _until_known_current(service)
+
+        async def no_pass() -> None:
+            return None
+
+        service.reconcile_once = no_pass  # type: ignore[assignment,method-assign]
+        path = tmp_path / "cdi" / DP_FILE
+        original = path.read_bytes()
+        if damage == "deleted":
+            path.unlink()
+        else:
+            path.write_text('{"cdiVersion": "0.5.0", "kind": "k8s.gpu-node-agent.nvidia.com/gpu", "devices": []}')
+        await wait_for(lambda: not service.debug_state()["device_plugin_spec_known_current"], within=2.0)
+        await service.ensure_device_plugin_spec()
+        assert path.read_bytes() == original
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_ensure_follows_a_new_inventory_at_once(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """A new inventory is never answered from memory, even before the reconciler wakes."""
+    service = _quiet_service(tmp_path, driver, registry)
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await _until_known_current(service)
+        service.inventories.update(inventory(2, migs={1: (mig(1, 0, 21, 22),)}))
+        await service.ensure_device_plugin_spec()  # before the reconciler's pass could run
+        assert "1:0" in load(tmp_path / "cdi" / DP_FILE).device_names
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+async def test_concurrent_ensures_after_a_change_check_the_disk_once(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """Callers queued behind the one that checked take its answer instead of checking again."""
+    service = _quiet_service(tmp_path, driver, registry)
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await _until_known_current(service)
+
+        async def no_pass() -> None:
+            return None
+
+        service.reconcile_once = no_pass  # type: ignore[assignment,method-assign]
+        checks = _checks(service)
+        # the watch reports the file (a touch): checked, found current, nothing written (a write
+        # would bring a watch event of its own, and a second look after it)
+        os.utime(tmp_path / "cdi" / DP_FILE)
+        await wait_for(lambda: not service.debug_state()["device_plugin_spec_known_current"], within=2.0)
+        await asyncio.gather(*(service.ensure_device_plugin_spec() for _ in range(32)))
+        assert _checks(service) == checks + 1  # type: ignore[operator]
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -224,3 +224,54 @@ async def test_list_and_watch_first_message_and_topology(env: Env) -> None:
         await stream.recv_trailing_metadata()
     assert not env.servicer.streams
     assert env.service.changed.subscriber_count == 0
+
+
+async def test_per_allocate_line_only_at_debug(env: Env) -> None:
+    """At info an Allocate logs nothing (its cost showed); at debug, applied live, it says what went out."""
+    import logging
+
+    from agent.logs import set_level
+
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[env.gpu(0)])])
+    root = logging.getLogger()
+    before = root.level
+    try:
+        set_level("info")
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            await env.stub.allocate(request)
+        assert [e for e in logs if e["event"] == "allocated"] == []
+        set_level("debug")
+        with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+            await env.stub.allocate(request)
+        (entry,) = [e for e in logs if e["event"] == "allocated"]
+        assert entry["device_ids"] == [[env.gpu(0)]]
+        assert entry["answers"] == [{"envs": {"NVIDIA_VISIBLE_DEVICES": env.gpu(0)}}]
+        assert entry["method"] == "Allocate" and len(entry["request_id"]) == 12
+    finally:
+        root.setLevel(before)
+
+
+async def test_repeated_answers_are_equal_and_per_request_keys_stay_per_request() -> None:
+    """Answers are kept and shared between equal allocations; a cdi-annotations key never repeats."""
+    async for env in make_env(PluginConfig(device_list_strategy=("envvar", "cdi-annotations", "cdi-cri"))):
+
+        def request(*indexes: int, env: Env = env) -> pb.AllocateRequest:
+            ids = [env.gpu(i) for i in indexes]
+            return pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+
+        first, again = await env.stub.allocate(request(0)), await env.stub.allocate(request(0))
+        (a,), (b,) = first.container_responses, again.container_responses
+        assert a.envs == b.envs == {"NVIDIA_VISIBLE_DEVICES": env.gpu(0)}
+        assert a.cdi_devices == b.cdi_devices
+        assert len(a.annotations) == len(b.annotations) == 1 and a.annotations.keys() != b.annotations.keys()
+        (other,) = (await env.stub.allocate(request(0, 3))).container_responses
+        assert other.envs == {"NVIDIA_VISIBLE_DEVICES": f"{env.gpu(0)},{env.gpu(3)}"}
+
+    async for env in make_env(PluginConfig(device_list_strategy=("envvar", "cdi-cri"))):
+        one = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[env.gpu(0)])])
+        first, again = await env.stub.allocate(one), await env.stub.allocate(one)
+        assert first == again
+        assert [d.name for d in first.container_responses[0].cdi_devices] == [
+            f"k8s.gpu-node-agent.nvidia.com/gpu={env.gpu(0)}"
+        ]
+        assert first.container_responses[0].annotations == {}

@@ -7,6 +7,7 @@ inside the file, need cdiVersion 0.6.0 and Debian's podman 4.3 stops at 0.5.0).
 
 from __future__ import annotations
 
+import functools
 import re
 
 from agent.cdi.errors import InvalidNameError
@@ -58,8 +59,12 @@ def check_device_name(name: str) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=4096)
 def qualified_name(kind: str, name: str) -> str:
-    """``vendor/class=name``, the string handed to the kubelet and the runtime."""
+    """``vendor/class=name``, the string handed to the kubelet and the runtime.
+
+    Pure, and asked for the same few names on every Allocate: kept once validated (an invalid
+    name raises and is not kept)."""
     split_kind(kind)
     return f"{kind}={check_device_name(name)}"
 

@@ -4,13 +4,25 @@ Contract for callers:
 
 * ``device_name`` / ``index_device_name`` answer from the inventory (no I/O) the qualified
   names of the device plugin spec; ``ensure_device_plugin_spec`` makes sure the file exists
-  before the first Allocate answer hands such a name out.
+  before the first Allocate answer hands such a name out. In steady state it answers from
+  memory (see "Knowing the spec is current" below), so an Allocate touches no disk.
 * ``prepare_claim`` writes the claim's transient spec before returning its names;
   ``unprepare_claim`` removes it. Both are idempotent and serialised with the reconciler
   by one lock; file I/O runs in worker threads.
 * ``run`` reconciles at start and then every ``reconcile_interval_s`` (at once when the
   inventory changes or one of its files does), repairing deleted, drifted and orphaned files.
   It never ends by itself; errors are logged, counted and shown on ``debug_state``, never raised.
+
+Knowing the spec is current: the service remembers the inventory and the *change count* under
+which the device plugin spec was last written or read back equal to what it should be. The
+change count moves whenever the directory watch (running inside ``run``) reports the spec file
+or loses track (``RESCAN``); the inventory is compared by identity (a new inventory is a new
+object). While both still match, the file is what it was and ``ensure_device_plugin_spec``
+returns at once, without the lock; otherwise it checks (and repairs) the file under the lock in
+a worker thread. Without a running watch nothing is trusted and every call checks the disk.
+A change made in the instant before the watch reports it can be answered from memory once;
+the reconciler repairs it a few milliseconds later either way. The driver's own files changing
+(an upgrade) is the reconciler's and the inventory refresh's to notice, as before.
 
 Where the device edits come from (the installed driver, or env-only edits for simulated
 GPUs on a node without a driver) is decided once, at construction, by
@@ -127,6 +139,14 @@ class CdiService:
         )
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
+        #: moves when the spec file may have changed behind our back (see the module docstring)
+        self._changes = 0
+        #: whether a directory watch is reporting changes now (else no memory is trusted)
+        self._watching = False
+        #: (change count, inventory) under which the device plugin spec was last known current
+        self._known_current: tuple[int, Inventory] | None = None
+        #: ensure_device_plugin_spec calls that had to look at the disk (debug state)
+        self._spec_checks = 0
         self._claims: dict[str, ClaimDevices] = {}  # prepared through this service
         self._unprepared: set[str] = set()  # until the external source forgets them too
         self._source: PreparedClaims | None = None
@@ -180,9 +200,27 @@ class CdiService:
     # -- device plugin spec -------------------------------------------------------------------
 
     async def ensure_device_plugin_spec(self) -> None:
-        """Write (or repair) the device plugin spec now; raises on failure. Idempotent."""
+        """Make sure the device plugin spec is on disk and current; raises on failure. Idempotent.
+
+        Called by every Allocate that hands out CDI names: answers from memory while the spec is
+        known current, and only then takes no lock and does no I/O.
+        """
+        if self._spec_known_current():
+            return
         async with self._lock:
-            await asyncio.to_thread(self._sync_device_plugin, self._inventory())
+            if self._spec_known_current():  # another caller checked it while we waited
+                return
+            changes, inventory = self._changes, self._inventory()
+            self._spec_checks += 1
+            await asyncio.to_thread(self._sync_device_plugin, inventory)
+            self._known_current = (changes, inventory)
+
+    def _spec_known_current(self) -> bool:
+        known = self._known_current
+        return self._watching and known is not None and known[0] == self._changes and known[1] is self._inventory()
+
+    def _spec_may_have_changed(self) -> None:
+        self._changes += 1
 
     def _sync_device_plugin(self, inventory: Inventory) -> None:
         name = spec_file_name(self._config.device_plugin_kind)
@@ -339,13 +377,19 @@ class CdiService:
     async def reconcile_once(self) -> ReconcileReport:
         async with self._lock:
             claims = self.prepared_claims()
+            changes, inventory = self._changes, self._inventory()
             report = await asyncio.to_thread(
                 self._reconciler.reconcile,
-                self._inventory(),
+                inventory,
                 claims if claims is not None else self._claims,
                 keep_claim_files=claims is None,
             )
             self._skipped = frozenset(s.partition(":")[0] for s in report.skipped)
+            plugin_file = spec_file_name(self._config.device_plugin_kind)
+            if not report.errors and (plugin_file in report.owned or not len(inventory)):
+                self._known_current = (changes, inventory)
+            else:
+                self._known_current = None
         self._record(report)
         return report
 
@@ -371,7 +415,12 @@ class CdiService:
             async with DirectoryWatcher(self._cdi_root) as watcher, asyncio.TaskGroup() as tg:
                 tg.create_task(self._kick_on_changes(watcher), name="cdi-watch")
                 tg.create_task(self._kick_on_inventory(inventory_changes), name="cdi-watch-inventory")
-                await self._reconcile_loop()
+                self._spec_may_have_changed()  # whatever happened before the watch is unknown
+                self._watching = True
+                try:
+                    await self._reconcile_loop()
+                finally:
+                    self._watching = False
 
     async def _kick_on_inventory(self, changes: Subscription[Inventory]) -> None:
         """A new inventory (MIG change, driver upgrade, GPUs found): the next pass runs at once."""
@@ -379,8 +428,11 @@ class CdiService:
             self._kick.set()
 
     async def _kick_on_changes(self, watcher: DirectoryWatcher) -> None:
+        plugin_file = spec_file_name(self._config.device_plugin_kind)
         async for names in watcher:
             # RESCAN: the watcher lost track (overflow, directory replaced): any spec may be gone
+            if RESCAN in names or plugin_file in names:
+                self._spec_may_have_changed()
             if RESCAN in names or any(self._writer.owns(name) for name in names):
                 self._kick.set()
 
@@ -428,6 +480,8 @@ class CdiService:
             "repairs_total": dict(self._repair_totals),
             "last_errors": list(last.errors) if last else [],
             "last_error": self._last_error,
+            "device_plugin_spec_known_current": self._spec_known_current(),
+            "device_plugin_spec_checks": self._spec_checks,
         }
 
 

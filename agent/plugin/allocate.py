@@ -68,6 +68,32 @@ class ContainerAllocation:
     annotations: dict[str, str] = field(default_factory=dict)
     cdi_devices: tuple[str, ...] = ()
 
+    def key(self) -> AllocationKey:
+        """Hashable and equal exactly when the allocations are (for caching their answers)."""
+        return (tuple(self.envs.items()), self.mounts, tuple(self.annotations.items()), self.cdi_devices)
+
+    @classmethod
+    def from_key(cls, key: AllocationKey) -> ContainerAllocation:
+        envs, mounts, annotations, cdi_devices = key
+        return cls(envs=dict(envs), mounts=mounts, annotations=dict(annotations), cdi_devices=cdi_devices)
+
+    def summary(self) -> dict[str, object]:
+        """The non-empty parts, for a log line."""
+        out: dict[str, object] = {}
+        if self.envs:
+            out["envs"] = self.envs
+        if self.mounts:
+            out["mounts"] = [m.container_path for m in self.mounts]
+        if self.annotations:
+            out["annotations"] = self.annotations
+        if self.cdi_devices:
+            out["cdi_devices"] = list(self.cdi_devices)
+        return out
+
+
+#: :meth:`ContainerAllocation.key`: envs, mounts, annotations, CDI devices
+AllocationKey = tuple[tuple[tuple[str, str], ...], tuple[MountSpec, ...], tuple[tuple[str, str], ...], tuple[str, ...]]
+
 
 def check_request_size(resource: Resource, containers: Sequence[Sequence[Sequence[str]]], what: str) -> None:
     """Refuse a request too large to be real before any per-ID work (AllocationError).
@@ -105,7 +131,7 @@ def resolve_ids(
     if not ids:
         raise AllocationError(ErrorKind.INVALID_ARGUMENT, f"{what} {name}: empty device list")
     check_request_size(resource, [[ids]], what)
-    dups = sorted(i for i, n in Counter(ids).items() if n > 1)
+    dups = sorted(i for i, n in Counter(ids).items() if n > 1) if len(set(ids)) != len(ids) else []
     if dups:
         raise AllocationError(
             ErrorKind.INVALID_ARGUMENT, f"{what} {name}: duplicate device IDs {format_ids(dups)}", tuple(dups)
@@ -155,6 +181,8 @@ def unique_targets(devices: Sequence[PluginDevice]) -> list[PluginDevice]:
 
 def _shared_between_containers(requests: Sequence[Sequence[str]]) -> list[str]:
     """IDs that appear in more than one container request, sorted (within one is resolve_ids' job)."""
+    if len(requests) == 1:
+        return []
     containers = Counter(i for ids in requests for i in set(ids))
     return sorted(i for i, n in containers.items() if n > 1)
 

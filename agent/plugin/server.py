@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 from grpclib.client import Channel
@@ -100,6 +101,7 @@ class PluginServer:
         self._timeouts = timeouts
         self._clock = clock
         self._run: ServerRun | None = None
+        self._rpc_histograms: dict[tuple[str, str], Any] = {}
         self._wake = asyncio.Event()
         self._retry_at: float | None = None
         self._stream_deadline: float | None = None
@@ -441,7 +443,12 @@ class PluginServer:
             await run.stop(drain_s=self._timeouts.stream_drain_s)
 
     def _observe_rpc(self, method: str, result: str, seconds: float) -> None:
-        self._metrics.rpc_seconds.labels(self.resource.name, method, result).observe(seconds)
+        # on every RPC: the labelled child is looked up once per (method, result)
+        histogram = self._rpc_histograms.get((method, result))
+        if histogram is None:
+            histogram = self._metrics.rpc_seconds.labels(self.resource.name, method, result)
+            self._rpc_histograms[(method, result)] = histogram
+        histogram.observe(seconds)
 
     def _update_device_gauge(self) -> None:
         if self._run is None:

@@ -17,8 +17,8 @@ answered ``INTERNAL``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -32,12 +32,15 @@ from grpclib.server import Stream
 
 from agent._proto.deviceplugin import v1beta1 as pb
 from agent.grpclimits import cut, status_label
-from agent.plugin.allocate import ContainerAllocation, check_request_size
+from agent.logs import debug_enabled, next_request_id
+from agent.plugin.allocate import AllocationKey, ContainerAllocation, check_request_size
 from agent.plugin.errors import AllocationError, ErrorKind, short_ids
 from agent.plugin.resources import DeviceState
 from agent.plugin.service import PreferredRequest, ResourceService
 
 log = structlog.get_logger("agent.plugin")
+#: the per-Allocate line is debug: at info its cost showed in the throughput (docs/performance.md)
+_debug = debug_enabled("agent.plugin")
 
 SERVICE = "/v1beta1.DevicePlugin"
 _STATUS = {
@@ -59,7 +62,27 @@ def devices_message(devices: list[DeviceState]) -> pb.ListAndWatchResponse:
     return pb.ListAndWatchResponse(devices=out)
 
 
-def container_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
+def allocate_response(allocations: list[ContainerAllocation]) -> pb.AllocateResponse:
+    """The protobuf answer to an Allocate. Answers repeat (the same devices under the same
+    config), and building betterproto messages costs more than the rest of an Allocate, so
+    they are kept (bounded) and shared: nothing mutates a message once built. An answer with
+    annotations carries a per-request key (``cdi-annotations``) and is never kept."""
+    if any(a.annotations for a in allocations):
+        return pb.AllocateResponse(container_responses=[_build_response(a) for a in allocations])
+    return _kept_answer(tuple(a.key() for a in allocations))
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_answer(keys: tuple[AllocationKey, ...]) -> pb.AllocateResponse:
+    return pb.AllocateResponse(container_responses=[_kept_response(k) for k in keys])
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_response(key: AllocationKey) -> pb.ContainerAllocateResponse:
+    return _build_response(ContainerAllocation.from_key(key))
+
+
+def _build_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResponse:
     return pb.ContainerAllocateResponse(
         envs=dict(allocation.envs),
         mounts=[
@@ -97,7 +120,7 @@ class DevicePluginServicer:
         started = time.perf_counter()
         result = "ok"
         with structlog.contextvars.bound_contextvars(
-            request_id=uuid.uuid4().hex[:12], method=method, resource=self.service.resource.name
+            request_id=next_request_id(), method=method, resource=self.service.resource.name
         ):
             try:
                 yield
@@ -160,7 +183,7 @@ class DevicePluginServicer:
         try:
             with (
                 structlog.contextvars.bound_contextvars(
-                    request_id=uuid.uuid4().hex[:12], method="ListAndWatch", resource=service.resource.name
+                    request_id=next_request_id(), method="ListAndWatch", resource=service.resource.name
                 ),
                 service.changed.subscribe() as changes,
             ):
@@ -206,8 +229,9 @@ class DevicePluginServicer:
         async def handle(request: pb.AllocateRequest) -> pb.AllocateResponse:
             ids = [list(r.devices_ids) for r in request.container_requests]
             allocations = await self.service.allocate(ids)
-            log.info("allocated", device_ids=ids)
-            return pb.AllocateResponse(container_responses=[container_response(a) for a in allocations])
+            if _debug():
+                log.debug("allocated", device_ids=ids, answers=[a.summary() for a in allocations])
+            return allocate_response(allocations)
 
         await self._unary(stream, "Allocate", handle)
 
