@@ -297,7 +297,7 @@ def inventory(
 
 async def _read_inventory(cfg: Config) -> Inventory:
     """Open the configured backend, read the inventory once, close it."""
-    from agent.app import resolve_node_name
+    from agent.config.node import resolve_node_name
     from agent.inventory.factory import open_backend
 
     opened = await open_backend(cfg, node_name=resolve_node_name(cfg), wait_for_driver=False)
@@ -333,8 +333,8 @@ def config_check(
     ``node_name``, ``NODE_NAME``, then the host name. ``--preset`` implies ``--simulated`` here:
     this command only ever simulates.
     """
-    from agent.app import resolve_node_name
     from agent.config.check import describe_ownership
+    from agent.config.node import resolve_node_name
 
     with user_errors():
         labels = _parse_labels(label or [])
@@ -384,7 +384,7 @@ def config_plan(
             state = fetch_agent_state(cfg.debug_addr)
         except AgentUnreachable as exc:
             log.info("planning against the local inventory", reason=str(exc))
-            from agent.app import resolve_node_name
+            from agent.config.node import resolve_node_name
 
             inv = asyncio.run(_read_inventory(cfg))
             plan = plan_against_inventory(cfg, inv, node_name=resolve_node_name(cfg), labels=labels)

@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.app import Agent
 from agent.cdi.service import NullCdiService
 from agent.config.loader import load_config
 from agent.config.schema import HealthConfig
@@ -17,6 +16,7 @@ from agent.health.monitor import HealthMonitor
 from agent.inventory.simulated import SimulatedBackend
 from agent.inventory.state import InventoryState
 from agent.ownership import OwnershipState
+from agent.runtime import Agent
 from tests.test_plugin_fakes import wait_for
 
 

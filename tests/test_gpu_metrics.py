@@ -14,7 +14,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.app import Agent
 from agent.cdi.service import NullCdiService
 from agent.config.loader import LoadedConfig, build_config
 from agent.config.schema import Owner
@@ -26,6 +25,7 @@ from agent.inventory.simulated import SimulatedBackend
 from agent.inventory.state import InventoryState
 from agent.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
 from agent.ownership import OwnershipState
+from agent.runtime import Agent
 from tests.test_plugin_fakes import ownership_for
 
 

@@ -89,7 +89,9 @@ def agent() -> Iterator[AgentProcess]:
     with short_tmpdir() as root:
         process = AgentProcess(root, ["--simulated"])
         try:
-            process.wait_port()
+            # ready: every root task runs, so the file descriptors counted as the baseline are all
+            # the agent keeps (watches, sockets), not a moment of its start-up
+            process.wait_ready()
             wait_for(lambda: (process.kubelet_root / "device-plugins" / SOCKET).is_socket(), 15, "plugin socket")
             yield process
         finally:

@@ -30,7 +30,7 @@ from agent.ownership import OwnershipState
 
 
 class AgentView(Protocol):
-    """What the state document reads; :class:`agent.app.Agent` provides it."""
+    """What the state document reads; :class:`agent.runtime.Agent` provides it."""
 
     node_name: str
     inventories: InventoryState

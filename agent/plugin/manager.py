@@ -126,6 +126,14 @@ class PluginManager:
         """The kubelet holds a ListAndWatch stream of every server (True with no servers)."""
         return self._running and all(s.registered for s in self._servers.values())
 
+    def first_registration_settled(self) -> bool:
+        """Every server has had its first Register answered (or failed to serve or register).
+
+        The composition root waits for this (briefly) before loading the rest of the agent, so
+        that the kubelet hears from the plugin first.
+        """
+        return self._running and all(s.registrations or s.last_error for s in self._servers.values())
+
     @property
     def servers(self) -> dict[str, PluginServer]:
         return dict(self._servers)
