@@ -522,3 +522,11 @@ async def test_foreign_files_sharing_our_name_prefix_are_left_alone(service: Cdi
     assert not [r for r in report.repairs if r.file in foreign]
     for name, kind in foreign.items():
         assert json.loads((cdi / name).read_text())["kind"] == kind
+
+
+async def test_a_reconcile_pass_is_timed(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> None:
+    service = make_service(tmp_path, driver, registry)
+    await service.reconcile_once()
+    await service.reconcile_once()
+    assert registry.get_sample_value("gpu_agent_cdi_reconcile_duration_seconds_count") == 2.0
+    assert registry.get_sample_value("gpu_agent_cdi_reconcile_duration_seconds_sum") > 0

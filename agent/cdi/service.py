@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Protocol
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.cdi import generate
 from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
@@ -165,6 +165,12 @@ class CdiService:
             "gpu_agent_cdi_reconcile_errors", "CDI reconcile passes that hit an error", registry=registry
         )
         self._owned_gauge = Gauge("gpu_agent_cdi_spec_files", "CDI spec files the agent owns", registry=registry)
+        self._pass_seconds = Histogram(
+            "gpu_agent_cdi_reconcile_duration_seconds",
+            "Time one CDI reconcile pass took (driver discovery, reading, comparing and writing the specs)",
+            registry=registry,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+        )
 
     def _inventory(self) -> Inventory:
         return self.inventories.current
@@ -375,6 +381,10 @@ class CdiService:
     # -- reconciling ----------------------------------------------------------------------------
 
     async def reconcile_once(self) -> ReconcileReport:
+        with self._pass_seconds.time():
+            return await self._reconcile_once()
+
+    async def _reconcile_once(self) -> ReconcileReport:
         async with self._lock:
             claims = self.prepared_claims()
             changes, inventory = self._changes, self._inventory()

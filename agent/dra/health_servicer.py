@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import grpclib.const
@@ -15,6 +14,7 @@ from agent._proto.drahealth_v1alpha1 import v1alpha1 as pb
 from agent.dra.healthfeed import DeviceHealthReport, HealthFeed, TooManyStreams
 from agent.dra.metrics import DraMetrics
 from agent.health.model import HealthState
+from agent.logs import next_request_id
 
 log = structlog.get_logger("agent.dra")
 
@@ -49,7 +49,7 @@ class HealthServicer:
     async def node_watch_resources(self, stream: Stream[Any, Any]) -> None:
         """Complete lists until the kubelet goes away (grpclib cancels this) or the server stops."""
         await stream.recv_message()
-        with structlog.contextvars.bound_contextvars(request_id=uuid.uuid4().hex[:12], method="NodeWatchResources"):
+        with structlog.contextvars.bound_contextvars(request_id=next_request_id(), method="NodeWatchResources"):
             try:
                 with self._feed.stream() as reports:
                     self._metrics.health_streams.set(self._feed.streams)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import ModuleType
@@ -27,6 +26,7 @@ from agent._proto.dra_v1beta1.k8s.io.kubelet.pkg.apis.dra import v1beta1 as pb_v
 from agent.dra.claim import ClaimRef
 from agent.dra.driver import ClaimAnswer, DraDriver
 from agent.dra.metrics import DraMetrics
+from agent.logs import next_request_id
 
 log = structlog.get_logger("agent.dra")
 
@@ -53,7 +53,7 @@ class DraPluginServicer:
     @asynccontextmanager
     async def _rpc(self, method: str) -> AsyncIterator[None]:
         started = time.perf_counter()
-        with structlog.contextvars.bound_contextvars(request_id=uuid.uuid4().hex[:12], method=method, api=self.api):
+        with structlog.contextvars.bound_contextvars(request_id=next_request_id(), method=method, api=self.api):
             try:
                 yield
             except (GRPCError, asyncio.CancelledError):
