@@ -26,6 +26,7 @@ from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
 from agent.ownership import OwnershipState, compute_ownership
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
+from tests.fake_sleep import FakeSleep
 
 DRIVER = "gpu-node-agent.nvidia.com"
 
@@ -35,27 +36,6 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         while not condition():  # noqa: ASYNC110 - state lives in two places (fake server, publisher)
             await asyncio.sleep(0.005)
     assert condition(), what
-
-
-class FakeSleep:
-    """Records backoff delays and holds each sleeper until the test lets it go."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-        self._pending: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.put_nowait(waiter)
-        await waiter
-
-    async def release(self) -> None:
-        (await asyncio.wait_for(self._pending.get(), TIMEOUT)).set_result(None)
-
-    def release_all(self) -> None:
-        while not self._pending.empty():
-            self._pending.get_nowait().set_result(None)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
+from tests.fake_sleep import FakeSleep
 
 
 @pytest.fixture
@@ -38,28 +39,6 @@ def _lists(api: FakeApiServer) -> int:
 def _fail_node_get(api: FakeApiServer, status: int) -> None:
     message = f'nodes "{NODE}" is forbidden or missing'
     api.fail(status, times=None, method="GET", path=f"/api/v1/nodes/{NODE}", message=message)
-
-
-class FakeSleep:
-    """Records each backoff delay and holds the sleeper until the test lets it go."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-        self._pending: asyncio.Queue[asyncio.Future[None]] = asyncio.Queue()
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.put_nowait(waiter)
-        await waiter
-
-    async def next(self) -> asyncio.Future[None]:
-        """Wait for the next sleep to start; end it by setting the returned future's result."""
-        return await asyncio.wait_for(self._pending.get(), TIMEOUT)
-
-    async def release(self) -> None:
-        """Wait for the next sleep to start, then end it."""
-        (await self.next()).set_result(None)
 
 
 def _kubeconfig(tmp_path: Path, server: str, user: dict[str, Any], **cluster: Any) -> Path:
