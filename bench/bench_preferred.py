@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.inventory.model import Gpu, Inventory, Link, PcieLevel, link_key
-from agent.plugin.preferred import ReplicaPolicy, TopologyScorer, preferred_allocation
+from agent.core.inventory.model import Gpu, Inventory, Link, PcieLevel, link_key
+from agent.deviceplugin.preferred import ReplicaPolicy, TopologyScorer, preferred_allocation
 
 
 def islands_node() -> Inventory:

@@ -53,7 +53,7 @@ async def serve(socket: str, response: Any, coalesce: bool = False) -> None:
 
     server = Server([CannedAllocate(response)])
     if coalesce:
-        from agent.grpcwrite import coalesce_writes
+        from agent.grpc.coalesce import coalesce_writes
 
         factory = server._protocol_factory
         server._protocol_factory = lambda: coalesce_writes(factory())  # type: ignore[method-assign]
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("response", type=Path)
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument("--codec", choices=("pure", "rust"), default="pure")
-    parser.add_argument("--coalesce", action="store_true", help="one socket write per loop turn (agent/grpcwrite.py)")
+    parser.add_argument("--coalesce", action="store_true", help="one socket write per loop turn (agent.grpc.coalesce)")
     args = parser.parse_args()
     if args.codec == "pure":
         sys.modules["betterproto_rust_codec"] = None  # type: ignore[assignment]  # betterproto's import fails

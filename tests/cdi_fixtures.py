@@ -12,8 +12,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agent.cdi import ldcache
-from agent.inventory.model import Gpu, Inventory, MigDevice
+from agent.backends import ldcache
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 VERSION = "550.54.15"
 NEW_VERSION = "555.42.06"

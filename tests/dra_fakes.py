@@ -22,20 +22,20 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
+from agent.backends.simulated import SimulatedBackend
 from agent.cdi.service import CdiService, create_cdi_service
-from agent.config.loader import build_config
-from agent.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig
-from agent.dra.claim import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
-from agent.dra.driver import Timeouts
+from agent.core.config.loader import build_config
+from agent.core.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
+from agent.core.mechanism import Readiness
+from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.dra.claims.driver import Timeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
+from agent.kube.claims.model import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
 from agent.kube.errors import KubeError
-from agent.mechanism import Readiness
-from agent.ownership import OwnershipState, compute_ownership
 from tests._grpcio import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,

@@ -7,10 +7,10 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from agent.config.schema import HealthConfig
-from agent.health.model import Signal, SignalKind
-from agent.inventory.model import Inventory
-from agent.inventory.nvml import NvmlBackend
+from agent.backends.nvml.backend import NvmlBackend
+from agent.core.config.schema import HealthConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.inventory.model import Inventory
 from tests.fakes.fake_pynvml import FakeNvml, write_sysfs
 
 # periodic checks fast; or effectively only the first one, so events tests see no churn

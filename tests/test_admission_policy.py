@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent.config.schema import DEFAULT_DRA_DRIVER
+from agent.core.config.schema import DEFAULT_DRA_DRIVER
 from tests.cel_eval import ADMISSION_POLICY, compile_expression, to_cel
 from tests.manifests import only, render
 

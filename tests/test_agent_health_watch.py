@@ -8,15 +8,15 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from agent.backends.simulated import SimulatedBackend
 from agent.cdi.service import NullCdiService
-from agent.config.loader import load_config
-from agent.config.schema import HealthConfig
-from agent.config.state import ConfigState
-from agent.health.monitor import HealthMonitor
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.ownership import OwnershipState
-from agent.runtime import Agent
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import load_config
+from agent.core.config.schema import HealthConfig
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.ownership.table import OwnershipState
+from agent.runtime.agent import Agent
 from tests.test_plugin_fakes import wait_for
 
 

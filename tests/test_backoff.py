@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from agent.backoff import Backoff
+from agent.base.backoff import Backoff
 
 
 def test_delays_grow_and_cap() -> None:

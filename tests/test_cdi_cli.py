@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent.cdi import cli
 from agent.cdi import spec as s
 from agent.cdi.errors import CdiError
-from agent.config.schema import Config
-from agent.inventory.model import Inventory
+from agent.cli import cdi as cli
+from agent.core.config.schema import Config
+from agent.core.inventory.model import Inventory
 from tests.cdi_fixtures import FakeDriver, inventory
 
 runner = CliRunner()

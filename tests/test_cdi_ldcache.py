@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cdi import ldcache
+from agent.backends import ldcache
 
 
 def test_build_and_parse_round_trip() -> None:

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from agent.cdi.service import CdiService
-from agent.config.schema import CdiConfig
-from agent.inventory.state import InventoryState
+from agent.core.config.schema import CdiConfig
+from agent.core.inventory.current import InventoryState
 from tests.cdi_fixtures import CURRENT_SUBCOMMANDS, LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
 
 pytestmark = pytest.mark.podman

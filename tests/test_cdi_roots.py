@@ -15,16 +15,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
-import agent.cli
+import agent.cli.main
+from agent.base.errors import ConfigError
 from agent.cdi import generate
 from agent.cdi import spec as s
 from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.roots import RootMapping
 from agent.cdi.service import CdiService, create_cdi_service
-from agent.config.loader import build_config, env_overrides
-from agent.config.schema import CdiConfig
-from agent.errors import ConfigError
-from agent.inventory.state import InventoryState
+from agent.core.config.loader import build_config, env_overrides
+from agent.core.config.schema import CdiConfig
+from agent.core.inventory.current import InventoryState
 from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory, mig, node_numbers
 
 KIND = "k8s.gpu-node-agent.nvidia.com/gpu"
@@ -204,9 +204,9 @@ def test_run_flag_becomes_an_override(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(options)
         return 0
 
-    monkeypatch.setattr(agent.cli, "_run", fake_run)
-    monkeypatch.setattr(agent.cli, "configure_logging", lambda level: None)
-    result = CliRunner().invoke(agent.cli.app, ["run", "--simulated", "--host-driver-root", "/run/nvidia/driver"])
+    monkeypatch.setattr(agent.cli.main, "_run", fake_run)
+    monkeypatch.setattr(agent.cli.main, "configure_logging", lambda level: None)
+    result = CliRunner().invoke(agent.cli.main.app, ["run", "--simulated", "--host-driver-root", "/run/nvidia/driver"])
     assert result.exit_code == 0, result.output
     assert seen[0].overrides["paths.host_driver_root"] == "/run/nvidia/driver"
 

@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 from agent.cdi import spec as s
 from agent.cdi.errors import CdiError, DriverDiscoveryError, InvalidNameError, UnknownCdiDeviceError
 from agent.cdi.service import CdiService, NullCdiService, create_cdi_service
-from agent.config.loader import build_config
-from agent.config.schema import CdiConfig
-from agent.inventory.state import InventoryState
+from agent.core.config.loader import build_config
+from agent.core.config.schema import CdiConfig
+from agent.core.inventory.current import InventoryState
 from tests.cdi_fixtures import LIB_DIR, NEW_VERSION, VERSION, FakeDriver, inventory, mig
 
 DP_FILE = "k8s.gpu-node-agent.nvidia.com-gpu.json"

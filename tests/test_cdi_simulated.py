@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.cdi import cli
 from agent.cdi import spec as s
 from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.driversource import SIMULATED_ENV, choose_driver_source
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.service import CdiService
-from agent.config.schema import CdiConfig
-from agent.inventory.model import Inventory
-from agent.inventory.state import InventoryState
+from agent.cli import cdi as cli
+from agent.core.config.schema import CdiConfig
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
 from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, inventory, mig
 from tests.test_cdi_service import CLAIM_FILE, DP_FILE, PERIOD, SLACK, UID, load, repairs, wait_for
 

@@ -15,9 +15,9 @@ from agent.cdi.discovery import DriverDiscovery, DriverFiles
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.hooks import HOOK_ENV
 from agent.cdi.service import CdiService
-from agent.config.schema import CdiConfig
-from agent.inventory.model import Inventory
-from agent.inventory.state import InventoryState
+from agent.core.config.schema import CdiConfig
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
 from tests.cdi_fixtures import (
     CURRENT_SUBCOMMANDS,
     LIB_DIR,

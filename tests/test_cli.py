@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agent import __version__
-from agent.cli import app
+from agent.cli.main import app
 from tests.agentproc import run_cli
 
 runner = CliRunner()
@@ -112,8 +112,8 @@ async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch
     import os
     import signal
 
-    import agent.app
-    from agent.cli import _run
+    import agent.runtime.app
+    from agent.cli.main import _run
 
     unwound = asyncio.Event()
     starting = asyncio.Event()
@@ -125,7 +125,7 @@ async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch
         finally:
             unwound.set()
 
-    monkeypatch.setattr(agent.app, "run_agent", slow_start)
+    monkeypatch.setattr(agent.runtime.app, "run_agent", slow_start)
     task = asyncio.create_task(_run(object()))
     await asyncio.wait_for(starting.wait(), 5)
     os.kill(os.getpid(), signal.SIGTERM)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config.loader import build_config, config_digest, env_overrides, load_config, read_document, to_plain
-from agent.config.schema import APPLICATION_XIDS, Owner, XidRule
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
+from agent.core.config.loader import build_config, config_digest, env_overrides, load_config, read_document, to_plain
+from agent.core.config.schema import APPLICATION_XIDS, Owner, XidRule
 
 
 def test_empty_document_gives_defaults() -> None:

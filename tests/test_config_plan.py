@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.config.loader import build_config
-from agent.config.plan import PlanRow, plan_rows, render
-from agent.ownership import compute_ownership
+from agent.core.config.loader import build_config
+from agent.core.ownership.plan import PlanRow, plan_rows, render
+from agent.core.ownership.table import compute_ownership
 from tests.agentproc import AgentProcess, run_cli
 from tests.test_ownership import _inventory
 

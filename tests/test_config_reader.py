@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from agent.config.loader import load_config, read_document
-from agent.config.reader import MAX_FILE_BYTES, read_file_bounded
-from agent.config.state import ConfigState
-from agent.config.watcher import ConfigWatcher
-from agent.debug.metrics import LoopLagProbe
-from agent.errors import ConfigError
-from agent.inventory.preset import load_preset
+from agent.backends.preset import load_preset
+from agent.base.errors import ConfigError
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import load_config, read_document
+from agent.core.config.reader import MAX_FILE_BYTES, read_file_bounded
+from agent.core.config.watcher import ConfigWatcher
+from agent.observe.metrics.agent import LoopLagProbe
 from tests.agentproc import run_cli
 
 #: a stall of seconds fails; scheduling noise of a loaded CI machine does not

@@ -2,10 +2,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agent.config.loader import load_config
-from agent.config.schema import Owner
-from agent.config.state import ConfigState
-from agent.config.watcher import ConfigWatcher
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import load_config
+from agent.core.config.schema import Owner
+from agent.core.config.watcher import ConfigWatcher
 
 
 def _watcher(path: Path, overrides: dict[str, object] | None = None) -> ConfigWatcher:

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.debug.server import DebugContext, HttpLimits, serve_debug
-from agent.health.model import Signal, SignalKind
-from agent.mechanism import Readiness
+from agent.core.health.model import Signal, SignalKind
+from agent.core.mechanism import Readiness
+from agent.observe.debug.server import DebugContext, HttpLimits, serve_debug
 
 pytestmark = pytest.mark.integration
 

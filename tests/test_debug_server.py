@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from agent.debug.server import DebugContext, build_app, serve_debug
-from agent.errors import AgentError, DeviceNotFoundError, StartupError
-from agent.health.model import Signal, SignalKind
-from agent.mechanism import Readiness
+from agent.base.errors import AgentError, DeviceNotFoundError, StartupError
+from agent.core.health.model import Signal, SignalKind
+from agent.core.mechanism import Readiness
+from agent.observe.debug.server import DebugContext, build_app, serve_debug
 
 
 class FakeSim:
@@ -124,7 +124,7 @@ async def test_absurd_bodies_are_400_not_500(aiohttp_client: Any) -> None:
 
 
 def test_inventory_lookup_by_odd_index_strings_finds_nothing() -> None:
-    from agent.inventory.model import Gpu, Inventory
+    from agent.core.inventory.model import Gpu, Inventory
 
     gpu = Gpu(
         uuid="GPU-a",

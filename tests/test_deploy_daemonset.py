@@ -1,6 +1,6 @@
 """The DaemonSet mounts exactly the host directories the agent uses with its default paths, at
 the same paths, and sets only environment the agent reads. Changing a path default in
-agent/config/schema.py (or the env that overrides one) without the manifests fails here."""
+agent/core/config/schema.py (or the env that overrides one) without the manifests fails here."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from agent.cdi.roots import RootMapping
-from agent.config.loader import ENV_FIELDS, ENV_PREFIX, build_config, env_overrides
-from agent.config.schema import Config
+from agent.core.config.loader import ENV_FIELDS, ENV_PREFIX, build_config, env_overrides
+from agent.core.config.schema import Config
 from tests.manifests import AGENT_KUSTOMIZATIONS, agent_container, only, render
 
 #: GPU_AGENT_* variables the agent reads besides ENV_FIELDS (the CLI's --config)

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import agent
-from agent.config.loader import build_config
-from agent.config.schema import DEFAULT_DRA_DRIVER, Config
+from agent.core.config.loader import build_config
+from agent.core.config.schema import DEFAULT_DRA_DRIVER, Config
 from tests.manifests import AGENT_KUSTOMIZATIONS, KUSTOMIZATIONS, agent_container, only, render
 
 #: the agent's manifests (DaemonSet, RBAC, admission policy v1) need nothing newer than this;

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from agent.config.schema import DEFAULT_DRA_DRIVER
+from agent.core.config.schema import DEFAULT_DRA_DRIVER
 from tests.cel_eval import (
     CelCompileError,
     CelEvaluationError,
@@ -250,11 +250,11 @@ def _published(preset: str, version: str = "v1") -> list[dict[str, Any]]:
     """What the agent's publisher writes for a simulated preset, every GPU given to DRA."""
     import asyncio
 
-    from agent.config.schema import HealthConfig
+    from agent.backends.simulated import SimulatedBackend
+    from agent.core.config.schema import HealthConfig
     from agent.dra.devices import dra_devices
-    from agent.dra.slice_json import slice_body
-    from agent.dra.slices import pool_devices, split
-    from agent.inventory.simulated import SimulatedBackend
+    from agent.dra.slices.codec import slice_body
+    from agent.dra.slices.plan import pool_devices, split
 
     inventory = asyncio.run(SimulatedBackend(preset=preset, node_name="n", health=HealthConfig()).load())
     devices = pool_devices(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.dra.checkpoint import (
+from agent.dra.claims.checkpoint import (
     FILE_NAME,
     CheckpointError,
     CheckpointStore,
@@ -88,7 +88,7 @@ def test_an_unusable_file_is_moved_aside_never_raised(tmp_path: Path, damage: ob
 def test_schema_errors_are_corruption_even_with_a_valid_checksum(tmp_path: Path) -> None:
     raw = json.loads(encode([claim()], boot_id="b", written_at=NOW))
     raw["data"]["claims"][0]["devices"][0]["surprise"] = 1
-    from agent.dra.checkpoint import _checksum
+    from agent.dra.claims.checkpoint import _checksum
 
     raw["checksum"] = _checksum(raw["data"])
     (tmp_path / FILE_NAME).write_text(json.dumps(raw))
@@ -99,7 +99,7 @@ def test_schema_errors_are_corruption_even_with_a_valid_checksum(tmp_path: Path)
 def test_a_claim_listed_twice_is_corruption() -> None:
     raw = json.loads(encode([claim()], boot_id="b", written_at=NOW))
     raw["data"]["claims"].append(raw["data"]["claims"][0])
-    from agent.dra.checkpoint import _checksum, _Unusable
+    from agent.dra.claims.checkpoint import _checksum, _Unusable
 
     raw["checksum"] = _checksum(raw["data"])
     with pytest.raises(_Unusable, match="listed twice"):

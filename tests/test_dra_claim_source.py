@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from agent.dra.claim import ClaimRef, DeviceResult, OpaqueConfig, PodRef
-from agent.dra.claim_json import ClaimFormatError, parse_claim
-from agent.dra.claim_source import KubeClaimSource
 from agent.kube.access import kubeconfig_access
+from agent.kube.claims.decode import ClaimFormatError, parse_claim
+from agent.kube.claims.model import ClaimRef, DeviceResult, OpaqueConfig, PodRef
+from agent.kube.claims.source import KubeClaimSource
 from agent.kube.client import KubeClient
 from agent.kube.discovery import ResourceApi
 from agent.kube.errors import KubeError

@@ -17,16 +17,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from agent.backends.simulated import SimulatedBackend
 from agent.cdi.claimenv import ClaimDevices
 from agent.cdi.errors import CdiError
-from agent.dra.checkpoint import CheckpointStore
-from agent.dra.claim import ClaimRef, ResourceClaim
-from agent.dra.driver import DraDriver
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.ownership.table import OwnershipState
+from agent.dra.claims.checkpoint import CheckpointStore
+from agent.dra.claims.driver import DraDriver
 from agent.dra.metrics import DraMetrics
-from agent.health.monitor import HealthMonitor
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.ownership import OwnershipState
+from agent.kube.claims.model import ClaimRef, ResourceClaim
 from tests.dra_fakes import DRIVER, HEALTH, NODE, FakeClaimSource, ownership_table, result
 
 

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from agent.config.schema import HealthConfig
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig
 from agent.dra.devices import PCIE_ROOT_ATTRIBUTE, binary_quantity, dra_devices, semver
-from agent.inventory.simulated import SimulatedBackend
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")

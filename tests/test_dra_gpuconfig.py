@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from agent.dra.errors import ClaimError, Reason
-from agent.dra.gpuconfig import MAX_ENV, driver_configs, env_for, parse_gpu_config
+from agent.dra.claims.errors import ClaimError, Reason
+from agent.dra.claims.gpuconfig import MAX_ENV, driver_configs, env_for, parse_gpu_config
 from tests.dra_fakes import DRIVER, gpu_config, opaque
 
 

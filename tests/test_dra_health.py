@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from agent.config.schema import Owner
+from agent.core.config.schema import Owner
 from agent.dra.mechanism import DraTuning
 from tests._grpcio import drahealth_v1alpha1_pb2 as pb
 from tests.dra_fakes import FAST, NODE, DraHarness, dra_harness

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from agent.cdi import spec as cdi_spec
-from agent.config.schema import Owner
-from agent.dra.claim import ClaimRef
+from agent.core.config.schema import Owner
+from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import DRIVER, NODE, DraHarness, answer, dra_harness, gpu_config, opaque, result
 from tests.test_plugin_fakes import wait_for
 

@@ -13,18 +13,18 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.backoff import Backoff
-from agent.config.schema import HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig
+from agent.backends.simulated import SimulatedBackend
+from agent.base.backoff import Backoff
+from agent.core.config.schema import HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.devices import dra_devices
-from agent.dra.publisher import SlicePublisher
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
+from agent.dra.slices.publisher import SlicePublisher
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
-from agent.ownership import OwnershipState, compute_ownership
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.config.schema import Owner
+from agent.core.config.schema import Owner
+from agent.dra.kubelet.endpoints import KubeletPlugin
+from agent.dra.kubelet.registration import RegistrationState
+from agent.dra.kubelet.registration_servicer import RegistrationServicer
 from agent.dra.metrics import DraMetrics
-from agent.dra.plugin import KubeletPlugin
-from agent.dra.registration import RegistrationState
-from agent.dra.registration_servicer import RegistrationServicer
 from tests._grpcio import dra_v1_pb2, dra_v1_pb2_grpc
 from tests.dra_fakes import DRIVER, DraHarness, dra_harness, make_config
 from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for

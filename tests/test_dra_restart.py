@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from agent.dra import mechanism as dra_mechanism
-from agent.dra.checkpoint import CheckpointError, CheckpointStore
-from agent.dra.claim import ClaimRef
+from agent.dra.claims.checkpoint import CheckpointError, CheckpointStore
+from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
 from tests.test_plugin_fakes import wait_for
 

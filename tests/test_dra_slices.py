@@ -7,10 +7,11 @@ import re
 
 import pytest
 
-from agent.config.schema import HealthConfig
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig
 from agent.dra.devices import DraDevice, dra_devices
-from agent.dra.slice_json import parse_slice, slice_body
-from agent.dra.slices import (
+from agent.dra.slices.codec import parse_slice, slice_body
+from agent.dra.slices.plan import (
     MAX_DEVICES,
     MAX_DEVICES_WITH_TAINTS,
     Plan,
@@ -23,7 +24,6 @@ from agent.dra.slices import (
     pool_devices,
     split,
 )
-from agent.inventory.simulated import SimulatedBackend
 
 DRIVER = "gpu-node-agent.nvidia.com"
 NODE = "node-a"

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import uvloop
 
-from agent import eventloop
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
+from agent.runtime import eventloop
 from tests.agentproc import run_cli
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agent.cli import app
-from agent.config.loader import build_config, read_document
-from agent.config.schema import Owner
+from agent.cli.main import app
+from agent.core.config.loader import build_config, read_document
+from agent.core.config.schema import Owner
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "config" / "example-config.yaml"

@@ -37,7 +37,7 @@ def ordinary_user() -> list[str]:
         pytest.skip("running as root without setpriv (util-linux): cannot start the agent as an ordinary user")
     launcher = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
     probe = subprocess.run(
-        [*launcher, sys.executable, "-c", "import os, agent.app; print(os.geteuid())"],
+        [*launcher, sys.executable, "-c", "import os, agent.runtime.app; print(os.geteuid())"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent import fswatch
-from agent.fswatch import RESCAN, DirectoryWatcher
+from agent.base import fswatch
+from agent.base.fswatch import RESCAN, DirectoryWatcher
 
 MODES = [pytest.param(True, id="inotify"), pytest.param(False, id="poll")]
 

@@ -14,18 +14,18 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.backends.simulated import SimulatedBackend
 from agent.cdi.service import NullCdiService
-from agent.config.loader import LoadedConfig, build_config
-from agent.config.schema import Owner
-from agent.config.state import ConfigState
-from agent.debug.gpu_metrics import GpuCollector
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
-from agent.ownership import OwnershipState
-from agent.runtime import Agent
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import LoadedConfig, build_config
+from agent.core.config.schema import Owner
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.ownership.table import OwnershipState
+from agent.observe.metrics.gpus import GpuCollector
+from agent.runtime.agent import Agent
 from tests.test_plugin_fakes import ownership_for
 
 

@@ -22,20 +22,20 @@ import structlog
 from grpclib import GRPCError
 from grpclib.const import Status
 
-from agent.config.schema import HealthConfig, PluginConfig
-from agent.debug.metrics import LoopLagProbe
-from agent.grpclimits import MAX_STATUS_CHARS, GrpcLimits
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.logs import LogThrottle
-from agent.ownership import OwnershipState
-from agent.plugin.allocate import MAX_CONTAINER_REQUESTS
-from agent.plugin.resources import plan_resources
-from agent.plugin.service import ResourceService
-from agent.plugin.servicer import DevicePluginServicer
-from agent.sockets import UnixGrpcServer
+from agent.backends.simulated import SimulatedBackend
+from agent.base.logs import LogThrottle
+from agent.core.config.schema import HealthConfig, PluginConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import OwnershipState
+from agent.deviceplugin.allocate import MAX_CONTAINER_REQUESTS
+from agent.deviceplugin.resources import plan_resources
+from agent.deviceplugin.service import ResourceService
+from agent.deviceplugin.servicer import DevicePluginServicer
+from agent.grpc.limits import MAX_STATUS_CHARS, GrpcLimits
+from agent.grpc.sockets import UnixGrpcServer
+from agent.observe.metrics.agent import LoopLagProbe
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.rawgrpc import RawGrpc, frame, silent_connection

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent._proto.deviceplugin import v1beta1 as bpb
-from agent.grpcwire import ShapeLimits, WireShapeError, check_shape
+from agent.grpc.wireshape import ShapeLimits, WireShapeError, check_shape
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 
 LIMITS = ShapeLimits(max_fields=100, max_messages=10, max_depth=4)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from agent.grpcwrite import CoalescingTransport
+from agent.grpc.coalesce import CoalescingTransport
 
 
 class RecordingTransport:

@@ -6,11 +6,11 @@ from collections.abc import Mapping
 
 import pytest
 
-from agent.config.loader import build_config
-from agent.config.schema import Owner
-from agent.handover import IDLE, SETTLE_S, Handover, Observed, next_grants
-from agent.mechanism import Holder, Usage
-from agent.ownership import Drain, OwnershipState, OwnershipTable, compute_ownership
+from agent.core.config.loader import build_config
+from agent.core.config.schema import Owner
+from agent.core.mechanism import Holder, Usage
+from agent.core.ownership.handover import IDLE, SETTLE_S, Handover, Observed, next_grants
+from agent.core.ownership.table import Drain, OwnershipState, OwnershipTable, compute_ownership
 from tests.test_ownership import _inventory
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE

@@ -4,7 +4,7 @@ At no instant does a GPU appear both in the device plugin's ListAndWatch and in 
 ResourceSlices, no GPU is held through both mechanisms at once, and every drain completes once
 its users are gone.
 
-The machine drives the real pieces that decide — :class:`~agent.handover.Handover`, the plugin's
+The machine drives the real pieces that decide — :class:`~agent.core.ownership.handover.Handover`, the plugin's
 ``advertised``/``resolve_ids`` (what ListAndWatch lists and Allocate accepts), the PodResources
 mapping, and the real DRA driver with its checkpoint and CDI specs on disk — through the
 kubelet's and the scheduler's moves, with their real constraints:
@@ -32,24 +32,24 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from agent.backends.simulated import SimulatedBackend
 from agent.cdi.service import create_cdi_service
-from agent.config.schema import HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
-from agent.dra.claim import ClaimRef
+from agent.core.config.schema import HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
+from agent.core.mechanism import Readiness, Usage
+from agent.core.ownership.handover import SETTLE_S, Handover, Observed
+from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.deviceplugin.allocate import resolve_ids
+from agent.deviceplugin.errors import AllocationError
+from agent.deviceplugin.podresources import ContainerDevices, Snapshot
+from agent.deviceplugin.resources import advertised, plan_resources
+from agent.deviceplugin.usage import device_usage
 from agent.dra.devices import dra_devices
 from agent.dra.mechanism import DraMechanism, build_dra
-from agent.handover import SETTLE_S, Handover, Observed
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.mechanism import Readiness, Usage
-from agent.ownership import OwnershipState, compute_ownership
-from agent.plugin.allocate import resolve_ids
-from agent.plugin.errors import AllocationError
-from agent.plugin.podresources import ContainerDevices, Snapshot
-from agent.plugin.resources import advertised, plan_resources
-from agent.plugin.usage import device_usage
+from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import BOOT, NODE, FakeClaimSource, make_config, result
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE

@@ -4,12 +4,12 @@ from collections import deque
 
 import pytest
 
-from agent.config.loader import build_config
-from agent.config.schema import HealthConfig
-from agent.health.model import HealthState, Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.health.policy import classify
-from agent.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.config.loader import build_config
+from agent.core.config.schema import HealthConfig
+from agent.core.health.model import HealthState, Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.health.policy import classify
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 
 class FakeClock:

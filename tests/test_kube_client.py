@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.config.schema import Config
+from agent.core.config.schema import Config
 from agent.kube.access import ClusterAccess, ExecConfig, kubeconfig_access
 from agent.kube.auth import ExecPlugin
 from agent.kube.client import KubeClient, Limits, resource_of

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from agent.errors import ConfigError
+from agent.base.errors import ConfigError
 from agent.kube.access import in_cluster_access, kube_config_available, kubeconfig_access
 from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from agent.logs import configure_logging, debug_enabled, next_request_id, set_level
+from agent.base.logs import configure_logging, debug_enabled, next_request_id, set_level
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_the_agent_loads_without_rich_until_someone_asks_for_it() -> None:
     import sys
 
     code = (
-        "import sys, agent.app, agent.cli; assert 'rich' not in sys.modules, 'rich loaded'; "
+        "import sys, agent.runtime.app, agent.cli.main; assert 'rich' not in sys.modules, 'rich loaded'; "
         "import rich.console; print('ok')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

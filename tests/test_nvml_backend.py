@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.cdi import ldcache
-from agent.config.schema import Config, HealthConfig, PathsConfig
-from agent.errors import BackendError, LibraryMissingError
-from agent.inventory.backend import NullBackend
-from agent.inventory.factory import open_backend
-from agent.inventory.model import PcieLevel
-from agent.inventory.nvml import NvmlBackend
+from agent.backends import ldcache
+from agent.backends.backend import NullBackend
+from agent.backends.factory import open_backend
+from agent.backends.nvml.backend import NvmlBackend
+from agent.base.errors import BackendError, LibraryMissingError
+from agent.core.config.schema import Config, HealthConfig, PathsConfig
+from agent.core.inventory.model import PcieLevel
 from tests.fakes import fake_pynvml
 from tests.fakes.fake_pynvml import FakeNvml, a100_mig_node, gh200_node, h100_node
 from tests.nvml_fixtures import CHECKS, backend, mig_minor, opened, single_line, stand_in_library
@@ -173,7 +173,7 @@ async def test_binding_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_importing_the_backend_does_not_import_pynvml() -> None:
-    code = "import sys, agent.inventory.nvml, agent.inventory.factory; assert 'pynvml' not in sys.modules"
+    code = "import sys, agent.backends.nvml.backend, agent.backends.factory; assert 'pynvml' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
 
 
@@ -439,8 +439,8 @@ async def test_health_config_default_is_used_until_updated(tmp_path: Path) -> No
 
 
 async def test_inventory_views_show_what_could_not_be_read(tmp_path: Path) -> None:
-    from agent.inventory.model import Inventory
-    from agent.inventory.render import inventory_json, inventory_table
+    from agent.core.inventory.model import Inventory
+    from agent.core.inventory.render import inventory_json, inventory_table
 
     fake = h100_node()
     fake.gpus[6].no_permission = True

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from agent.config.schema import HealthConfig, XidRule
-from agent.health.model import HealthState, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory import nvml_events
+from agent.backends.nvml import events as nvml_events
+from agent.core.config.schema import HealthConfig, XidRule
+from agent.core.health.model import HealthState, SignalKind
+from agent.core.health.monitor import HealthMonitor
 from tests.fakes import fake_pynvml
 from tests.fakes.fake_pynvml import DBE, SBE, XID, a100_mig_node, h100_node
 from tests.nvml_fixtures import CHECKS, EVENTS, next_signal, not_ok, opened, until, waits, watching

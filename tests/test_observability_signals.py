@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agent.config.loader import build_config
-from agent.config.schema import HealthConfig, PluginConfig, TimeSlicingConfig
+from agent.backends.simulated import SimulatedBackend
+from agent.base.errors import ConfigError
+from agent.core.config.loader import build_config
+from agent.core.config.schema import HealthConfig, PluginConfig, TimeSlicingConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import MAX_XID_KINDS, OTHER_XID, HealthMonitor
+from agent.deviceplugin.metrics import PluginCollector
+from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
 from agent.dra.devices import dra_devices
-from agent.errors import ConfigError
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import MAX_XID_KINDS, OTHER_XID, HealthMonitor
-from agent.inventory.simulated import SimulatedBackend
-from agent.plugin.metrics import PluginCollector
-from agent.plugin.podresources import PodResourcesClient, PodResourcesWatcher
 from tests.dra_fakes import dra_harness, result
 from tests.fake_apiserver import FakeApiServer
 from tests.fake_podresources import FakePodResources

@@ -15,14 +15,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from agent.config.loader import LoadedConfig, build_config
-from agent.config.state import ConfigState
-from agent.dra.claim import PodRef
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import LoadedConfig, build_config
+from agent.core.mechanism import Holder, Usage
 from agent.kube.access import kubeconfig_access
+from agent.kube.claims.model import PodRef
 from agent.kube.client import KubeClient
 from agent.kube.pods import KubePods, NoApiPods, PodLookup
-from agent.mechanism import Holder, Usage
-from agent.orphans import OrphanDetector, OrphanKind
+from agent.observe.orphans import OrphanDetector, OrphanKind
 from tests.dra_fakes import FakeClaimSource
 from tests.fake_apiserver import FakeApiServer, serving, write_kubeconfig
 

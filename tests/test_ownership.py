@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config.loader import build_config
-from agent.config.schema import Owner
-from agent.inventory.model import Gpu, Inventory, MigDevice
-from agent.ownership import OwnershipState, compute_ownership
+from agent.core.config.loader import build_config
+from agent.core.config.schema import Owner
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.ownership.table import OwnershipState, compute_ownership
 
 
 def _inventory() -> Inventory:

@@ -6,19 +6,19 @@ from collections.abc import Sequence
 
 import pytest
 
-from agent.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.ownership import OwnershipTable
-from agent.plugin.allocate import (
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import OwnershipTable
+from agent.deviceplugin.allocate import (
     VOLUME_MOUNT_ROOT,
     Allocator,
     ContainerAllocation,
     MountSpec,
     resolve_ids,
 )
-from agent.plugin.errors import AllocationError, ErrorKind, format_ids
-from agent.plugin.resources import Resource, plan_resources
+from agent.deviceplugin.errors import AllocationError, ErrorKind, format_ids
+from agent.deviceplugin.resources import Resource, plan_resources
 from tests.test_plugin_fakes import FakeCdi, ownership_for
 
 

@@ -1,7 +1,7 @@
 """Test doubles for the device plugin tests (and bench/bench_plugin.py); holds no tests.
 
 * :class:`FakeKubelet` — the rude kubelet of :mod:`tests.fake_kubelet` (re-exported here).
-* :class:`FakeCdi` — the :class:`~agent.plugin.cdinames.CdiNames` the plugin calls.
+* :class:`FakeCdi` — the :class:`~agent.deviceplugin.cdinames.CdiNames` the plugin calls.
 * :class:`PluginHarness` — a :class:`PluginManager` on the simulated ``h100-8x-nvlink`` node in
   a short temporary kubelet root, with helpers to wait on conditions (never fixed sleeps) and
   to change ownership, plugin config or the inventory the way the agent does.
@@ -21,17 +21,17 @@ from typing import Any
 
 import grpc
 
-from agent.backoff import Backoff
-from agent.config.loader import LoadedConfig
-from agent.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
-from agent.config.state import ConfigState
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.ownership import OwnershipState, compute_ownership
-from agent.plugin.manager import PluginManager
-from agent.plugin.server import DEFAULT_TIMEOUTS, Timeouts
+from agent.backends.simulated import SimulatedBackend
+from agent.base.backoff import Backoff
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import LoadedConfig
+from agent.core.config.schema import Config, HealthConfig, NodeMatch, NodeRule, Owner, OwnershipConfig, PluginConfig
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.deviceplugin.manager import PluginManager
+from agent.deviceplugin.server import DEFAULT_TIMEOUTS, Timeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests.fake_kubelet import FakeKubelet
 
@@ -79,7 +79,7 @@ class FakeCdi:
 
     async def ensure_device_plugin_spec(self) -> None:
         if self.fail:
-            from agent.errors import AgentError
+            from agent.base.errors import AgentError
 
             raise AgentError(self.fail)
         self.entered.set()

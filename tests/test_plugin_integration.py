@@ -14,8 +14,8 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from agent.config.schema import Owner, PluginConfig, TimeSlicingConfig
-from agent.inventory.state import InventoryState
+from agent.core.config.schema import Owner, PluginConfig, TimeSlicingConfig
+from agent.core.inventory.current import InventoryState
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.test_plugin_fakes import PluginHarness, ids_of, loaded, next_message, plugin_harness, wait_for
@@ -430,8 +430,8 @@ async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
 
 async def test_restart_cut_short_by_a_rebuild_leaves_no_old_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild cancels a restart while it drains its streams: the old listener must still close."""
-    from agent.plugin.server import Timeouts
-    from agent.plugin.service import ResourceService
+    from agent.deviceplugin.server import Timeouts
+    from agent.deviceplugin.service import ResourceService
 
     async with plugin_harness(timeouts=Timeouts(stream_drain_s=60.0)) as h:
         await h.settled()
@@ -469,12 +469,12 @@ async def test_exit_removes_sockets() -> None:
 
 
 async def test_nothing_to_serve_is_ready_with_zero_servers() -> None:
-    from agent.config.schema import Config, HealthConfig
-    from agent.config.state import ConfigState
-    from agent.health.monitor import HealthMonitor
-    from agent.inventory.model import Inventory
-    from agent.ownership import OwnershipState
-    from agent.plugin.manager import PluginManager
+    from agent.core.config.current import ConfigState
+    from agent.core.config.schema import Config, HealthConfig
+    from agent.core.health.monitor import HealthMonitor
+    from agent.core.inventory.model import Inventory
+    from agent.core.ownership.table import OwnershipState
+    from agent.deviceplugin.manager import PluginManager
     from tests.test_plugin_fakes import FakeCdi, short_tmpdir
 
     with short_tmpdir() as root:
@@ -512,12 +512,12 @@ async def test_connection_to_a_stopped_server_is_closed(h: PluginHarness) -> Non
 
 async def test_missing_device_plugins_dir_is_waited_for() -> None:
     """No kubelet yet and the directory cannot be made: the manager waits instead of crashing."""
-    from agent.config.schema import Config
-    from agent.config.state import ConfigState
-    from agent.health.monitor import HealthMonitor
-    from agent.inventory.simulated import SimulatedBackend
-    from agent.ownership import OwnershipState
-    from agent.plugin.manager import PluginManager
+    from agent.backends.simulated import SimulatedBackend
+    from agent.core.config.current import ConfigState
+    from agent.core.config.schema import Config
+    from agent.core.health.monitor import HealthMonitor
+    from agent.core.ownership.table import OwnershipState
+    from agent.deviceplugin.manager import PluginManager
     from tests.test_plugin_fakes import (
         FAST_BACKOFF,
         FAST_HEALTH,
@@ -572,7 +572,7 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
 async def test_watch_batches_wake_the_servers_they_concern(h: PluginHarness) -> None:
     """Only names that can matter wake a server (each then looks at the state itself); RESCAN
     (the watcher lost track) wakes every one."""
-    from agent.fswatch import RESCAN
+    from agent.base.fswatch import RESCAN
 
     await h.settled()
     server = h.manager.servers[GPU]

@@ -14,14 +14,14 @@ from dataclasses import replace
 import grpc
 import pytest
 
-from agent.config.schema import Config, HealthConfig, Owner, PluginConfig
-from agent.config.state import ConfigState
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory, Link, MigDevice, PcieLevel, link_key
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.ownership import OwnershipState
-from agent.plugin.manager import PluginManager
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.current import ConfigState
+from agent.core.config.schema import Config, HealthConfig, Owner, PluginConfig
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory, Link, MigDevice, PcieLevel, link_key
+from agent.core.ownership.table import OwnershipState
+from agent.deviceplugin.manager import PluginManager
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.test_plugin_fakes import (

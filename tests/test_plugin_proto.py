@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from agent._proto.deviceplugin import v1beta1 as bp
-from agent.plugin.servicer import DevicePluginServicer
+from agent.deviceplugin.servicer import DevicePluginServicer
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agent.plugin.link import MAX_KUBELET_CONNECTIONS, KubeletLink
-from agent.plugin.registration import Action, Observation, decide
+from agent.deviceplugin.link import MAX_KUBELET_CONNECTIONS, KubeletLink
+from agent.deviceplugin.registration import Action, Observation, decide
 
 NOW = 100.0
 

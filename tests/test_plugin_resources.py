@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from agent.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
-from agent.inventory.model import Gpu, Inventory, MigDevice
-from agent.inventory.simulated import SimulatedBackend
-from agent.plugin.resources import Resource, advertised, plan_resources
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
+from agent.deviceplugin.resources import Resource, advertised, plan_resources
 from tests.test_plugin_fakes import ownership_for
 
 

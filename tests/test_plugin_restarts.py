@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.plugin.server import Timeouts
+from agent.deviceplugin.server import Timeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.fake_kubelet import FakeKubelet, KubeletProcess

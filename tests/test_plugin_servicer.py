@@ -12,15 +12,15 @@ from grpclib.const import Cardinality, Status
 from grpclib.testing import ChannelFor
 
 from agent._proto.deviceplugin import v1beta1 as pb
-from agent.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.ownership import OwnershipState
-from agent.plugin.resources import plan_resources
-from agent.plugin.service import ResourceService
-from agent.plugin.servicer import DevicePluginServicer
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import OwnershipState
+from agent.deviceplugin.resources import plan_resources
+from agent.deviceplugin.service import ResourceService
+from agent.deviceplugin.servicer import DevicePluginServicer
 from tests.test_plugin_fakes import FakeCdi, ownership_for
 
 
@@ -230,7 +230,7 @@ async def test_per_allocate_line_only_at_debug(env: Env) -> None:
     """At info an Allocate logs nothing (its cost showed); at debug, applied live, it says what went out."""
     import logging
 
-    from agent.logs import set_level
+    from agent.base.logs import set_level
 
     request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[env.gpu(0)])])
     root = logging.getLogger()

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from agent.config.schema import HealthConfig, PluginConfig, TimeSlicingConfig
-from agent.inventory.model import Inventory
-from agent.inventory.simulated import SimulatedBackend
-from agent.plugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesWatcher, Snapshot
-from agent.plugin.resources import plan_resources
-from agent.plugin.usage import device_usage, gpu_of_id
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.schema import HealthConfig, PluginConfig, TimeSlicingConfig
+from agent.core.inventory.model import Inventory
+from agent.deviceplugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesWatcher, Snapshot
+from agent.deviceplugin.resources import plan_resources
+from agent.deviceplugin.usage import device_usage, gpu_of_id
 from tests.fake_podresources import FakePodResources
 from tests.test_plugin_fakes import short_tmpdir
 

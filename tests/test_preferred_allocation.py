@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.inventory.model import Gpu, Inventory, Link, MigDevice, PcieLevel, link_key
-from agent.plugin.errors import AllocationError, ErrorKind
-from agent.plugin.preferred import (
+from agent.core.inventory.model import Gpu, Inventory, Link, MigDevice, PcieLevel, link_key
+from agent.deviceplugin.errors import AllocationError, ErrorKind
+from agent.deviceplugin.preferred import (
     EXACT_MAX_CANDIDATES,
     NVLINK_WEIGHT,
     PCIE_WEIGHT,

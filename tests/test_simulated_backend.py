@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.config.schema import HealthConfig
-from agent.errors import AgentError, ConfigError, DeviceNotFoundError
-from agent.health.model import HealthState, Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.model import Inventory, PcieLevel
-from agent.inventory.preset import DEFAULT_PRESET, preset_names
-from agent.inventory.simulated import SimulatedBackend
+from agent.backends.preset import DEFAULT_PRESET, preset_names
+from agent.backends.simulated import SimulatedBackend
+from agent.base.errors import AgentError, ConfigError, DeviceNotFoundError
+from agent.core.config.schema import HealthConfig
+from agent.core.health.model import HealthState, Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.model import Inventory, PcieLevel
 
 FAST = HealthConfig(check_interval_s=0.005, recovery_quiet_s=0.0)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import StartupError
-from agent.sockets import remove_stale_socket
+from agent.base.errors import StartupError
+from agent.grpc.sockets import remove_stale_socket
 from tests.test_plugin_fakes import short_tmpdir
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.status import render, rows_from_state
+from agent.cli.status import render, rows_from_state
 from tests.agentproc import AgentProcess, run_cli
 from tests.test_plugin_fakes import short_tmpdir
 

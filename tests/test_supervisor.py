@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from agent.app import AgentCrashed, _supervise
-from agent.errors import BackendError
+from agent.base.errors import BackendError
+from agent.runtime.app import AgentCrashed, _supervise
 
 
 async def forever(cancelled: list[str], name: str) -> None:

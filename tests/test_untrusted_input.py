@@ -13,16 +13,16 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.config.loader import build_config
-from agent.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
-from agent.errors import ConfigError
-from agent.health.model import Signal, SignalKind
-from agent.health.monitor import HealthMonitor
-from agent.inventory.simulated import SimulatedBackend
-from agent.ownership import OwnershipState
-from agent.plugin.errors import AllocationError
-from agent.plugin.resources import plan_resources
-from agent.plugin.service import PreferredRequest, ResourceService
+from agent.backends.simulated import SimulatedBackend
+from agent.base.errors import ConfigError
+from agent.core.config.loader import build_config
+from agent.core.config.schema import HealthConfig, Owner, PluginConfig, TimeSlicingConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.health.monitor import HealthMonitor
+from agent.core.ownership.table import OwnershipState
+from agent.deviceplugin.errors import AllocationError
+from agent.deviceplugin.resources import plan_resources
+from agent.deviceplugin.service import PreferredRequest, ResourceService
 from tests.test_plugin_fakes import FakeCdi, ownership_for
 
 scalars = st.one_of(

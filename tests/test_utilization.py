@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from agent.config.loader import LoadedConfig, build_config
-from agent.config.state import ConfigState
-from agent.inventory.backend import NullBackend
-from agent.inventory.model import Inventory
-from agent.inventory.nvml import NvmlBackend
-from agent.inventory.sample import DeviceSample
-from agent.inventory.simulated import SimulatedBackend
-from agent.inventory.state import InventoryState
-from agent.utilization import UtilizationSampler
+from agent.backends.backend import NullBackend
+from agent.backends.nvml.backend import NvmlBackend
+from agent.backends.simulated import SimulatedBackend
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import LoadedConfig, build_config
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
+from agent.core.inventory.sample import DeviceSample
+from agent.observe.utilization import UtilizationSampler
 from tests.fakes.fake_pynvml import NVML_ERROR_UNKNOWN, FakeNvml, a100_mig_node, h100_node
 from tests.nvml_fixtures import opened
 from tests.test_plugin_fakes import wait_for

@@ -18,15 +18,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from agent.config.loader import LoadedConfig, build_config
-from agent.config.state import ConfigState
+from agent.core.config.current import ConfigState
+from agent.core.config.loader import LoadedConfig, build_config
+from agent.core.mechanism import NodeStatus, RegistrationCheck
+from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
+from agent.deviceplugin.registration import Action, Observation, Step, decide
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient
 from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, allocatable_of
-from agent.mechanism import NodeStatus, RegistrationCheck
-from agent.plugin.podresources import PodResourcesClient, PodResourcesWatcher
-from agent.plugin.registration import Action, Observation, Step, decide
-from agent.watchdog import Watchdog
+from agent.observe.watchdog import Watchdog
 from tests.dra_fakes import dra_harness
 from tests.fake_apiserver import NODE, serving, write_kubeconfig
 from tests.fake_podresources import FakePodResources

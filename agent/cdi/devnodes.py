@@ -14,9 +14,9 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.backends import sysfs
 from agent.cdi.roots import RootMapping
 from agent.cdi.spec import DeviceNode
-from agent.inventory import sysfs
 
 BY_PATH = "/dev/dri/by-path"
 

@@ -32,13 +32,13 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
+from agent.backends.driverroot import LIBRARY_DIRS, in_root, library_listing, resolve_in_root
 from agent.cdi.devnodes import GpuDrm, gpu_drm, stat_node
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.hooks import HOOK_CANDIDATES, HookBinary, HookLocator, driver_hooks, symlink_hook
 from agent.cdi.roots import RootMapping
 from agent.cdi.spec import ContainerEdits, DeviceNode, Hook, Mount
-from agent.driverroot import LIBRARY_DIRS, in_root, library_listing, resolve_in_root
-from agent.inventory.model import Gpu, MigDevice
+from agent.core.inventory.model import Gpu, MigDevice
 
 __all__ = ["HOOK_CANDIDATES", "LIBRARY_DIRS", "DriverDiscovery", "DriverFiles", "resolve_in_root"]
 

@@ -35,7 +35,7 @@ from agent.cdi import generate
 from agent.cdi.discovery import DriverDiscovery
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.spec import ContainerEdits
-from agent.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 log = structlog.get_logger("agent.cdi")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.errors import AgentError
+from agent.base.errors import AgentError
 
 
 class CdiError(AgentError):

@@ -20,7 +20,7 @@ from typing import Protocol
 from agent.cdi.errors import UnknownCdiDeviceError
 from agent.cdi.names import claim_device_name, device_part, split_kind
 from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Hook, Spec, check
-from agent.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 ALL_DEVICES = "all"
 

@@ -34,9 +34,9 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
+from agent.backends.driverroot import in_root, resolve_in_root
 from agent.cdi.roots import RootMapping
 from agent.cdi.spec import Hook
-from agent.driverroot import in_root, resolve_in_root
 
 log = structlog.get_logger("agent.cdi")
 

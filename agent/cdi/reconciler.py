@@ -28,7 +28,7 @@ from agent.cdi.errors import CdiError, InvalidSpecError
 from agent.cdi.generate import DriverView
 from agent.cdi.names import claim_uid_of, spec_file_name, transient_spec_file_name
 from agent.cdi.writer import SpecWriter
-from agent.inventory.model import Inventory
+from agent.core.inventory.model import Inventory
 
 log = structlog.get_logger("agent.cdi")
 

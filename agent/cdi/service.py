@@ -40,6 +40,8 @@ from typing import Protocol
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from agent.base.feeds import Subscription
+from agent.base.fswatch import RESCAN, DirectoryWatcher
 from agent.cdi import generate
 from agent.cdi.claimenv import ClaimDevices, as_claim_devices, with_env
 from agent.cdi.discovery import DriverDiscovery
@@ -50,11 +52,9 @@ from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.names import check_claim_uid, device_part, qualified_name, spec_file_name, transient_spec_file_name
 from agent.cdi.reconciler import ACTIONS, Reconciler, ReconcileReport
 from agent.cdi.writer import SpecWriter
-from agent.config.schema import CdiConfig, Config
-from agent.events import Subscription
-from agent.fswatch import RESCAN, DirectoryWatcher
-from agent.inventory.model import Inventory
-from agent.inventory.state import InventoryState
+from agent.core.config.schema import CdiConfig, Config
+from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
 
 log = structlog.get_logger("agent.cdi")
 

@@ -25,10 +25,10 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from agent.base.atomicfile import fsync_directory
 from agent.cdi import spec as cdi_spec
 from agent.cdi.errors import InvalidSpecError, SpecConflictError, SpecWriteError
 from agent.cdi.names import SPEC_SUFFIX, SPEC_SUFFIXES, spec_file_name, transient_prefix
-from agent.fsutil import fsync_directory
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from agent.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 #: the standard attribute naming the PCIe root complex (k8s.io/dynamic-resource-allocation)
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"

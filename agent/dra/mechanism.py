@@ -1,4 +1,4 @@
-"""DRA as one mechanism (:class:`agent.mechanism.Mechanism`): kubelet plugin, health stream,
+"""DRA as one mechanism (:class:`agent.core.mechanism.Mechanism`): kubelet plugin, health stream,
 claim preparation with its checkpoint, and the ResourceSlice publisher, run together.
 
 The composition root builds it with :func:`build_dra` (which loads the checkpoint and tells
@@ -19,24 +19,30 @@ from typing import Protocol
 import structlog
 from prometheus_client import CollectorRegistry
 
-from agent.backoff import Backoff
+from agent.base.backoff import Backoff
+from agent.base.errors import StartupError
 from agent.cdi.service import CdiProvider
-from agent.config.schema import Config, Owner
-from agent.dra.checkpoint import CheckpointStore, read_boot_id
-from agent.dra.claim import ClaimSource
-from agent.dra.driver import DEFAULT_TIMEOUTS, DraDriver, Timeouts
-from agent.dra.health_servicer import HealthServicer
-from agent.dra.healthfeed import RESEND_S, HealthFeed
+from agent.core.config.schema import Config, Owner
+from agent.core.health.monitor import HealthMonitor
+from agent.core.inventory.current import InventoryState
+from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.ownership.table import OwnershipState
+from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
+from agent.dra.claims.driver import DEFAULT_TIMEOUTS, DraDriver, Timeouts
+from agent.dra.kubelet.endpoints import (
+    DEFAULT_BACKOFF,
+    DRA_SOCKET,
+    REGISTRY_DIR,
+    KubeletPlugin,
+    registration_socket_name,
+)
+from agent.dra.kubelet.health_servicer import HealthServicer
+from agent.dra.kubelet.healthfeed import RESEND_S, HealthFeed
+from agent.dra.kubelet.registration import RegistrationState
+from agent.dra.kubelet.registration_servicer import RegistrationServicer
+from agent.dra.kubelet.servicer import v1_servicer, v1beta1_servicer
 from agent.dra.metrics import DraMetrics
-from agent.dra.plugin import DEFAULT_BACKOFF, DRA_SOCKET, REGISTRY_DIR, KubeletPlugin, registration_socket_name
-from agent.dra.registration import RegistrationState
-from agent.dra.registration_servicer import RegistrationServicer
-from agent.dra.servicer import v1_servicer, v1beta1_servicer
-from agent.errors import StartupError
-from agent.health.monitor import HealthMonitor
-from agent.inventory.state import InventoryState
-from agent.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
-from agent.ownership import OwnershipState
+from agent.kube.claims.model import ClaimSource
 
 log = structlog.get_logger("agent.dra")
 

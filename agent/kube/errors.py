@@ -8,7 +8,10 @@ the server answered and None when it did not (connection, timeout, oversized bod
 
 from __future__ import annotations
 
-from agent.errors import AgentError, ConfigError
+from agent.base.errors import AgentError, ConfigError
+
+#: why nothing can be read or written on a node without API access
+NO_API_REASON = "no Kubernetes API access (no --kubeconfig, and not running in a pod)"
 
 
 class KubeError(AgentError):

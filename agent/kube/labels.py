@@ -36,7 +36,7 @@ from urllib.parse import quote
 
 import structlog
 
-from agent.backoff import Backoff
+from agent.base.backoff import Backoff
 from agent.kube.access import SERVICE_ACCOUNT_DIR, kube_config_available
 from agent.kube.client import METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
 from agent.kube.errors import KubeError, KubeGoneError

@@ -15,9 +15,9 @@ import re
 from typing import Protocol
 from urllib.parse import quote
 
+from agent.core.mechanism import NodeStatus
 from agent.kube.client import KubeClient
 from agent.kube.errors import KubeError
-from agent.mechanism import NodeStatus
 
 #: a Node with hundreds of cached images is a few hundred KiB
 NODE_MAX_BYTES = 4 * 1024 * 1024

@@ -1,6 +1,6 @@
 """Whether a pod still exists on the API server: one GET of its metadata.
 
-The orphan check (``agent/orphans.py``) asks about pods that the kubelet's PodResources still
+The orphan check (``agent/observe/orphans.py``) asks about pods that the kubelet's PodResources still
 lists, or that a prepared claim is reserved for. :class:`KubePods` reads only the object's
 metadata (``PartialObjectMetadata``: a few hundred bytes instead of the whole pod), bounded in
 time and size; :class:`NoApiPods` is the null object for a node without API access, where

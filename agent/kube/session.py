@@ -9,7 +9,7 @@ from pathlib import Path
 import structlog
 from prometheus_client import CollectorRegistry
 
-from agent.config.schema import Config
+from agent.core.config.schema import Config
 from agent.kube.access import SERVICE_ACCOUNT_DIR, kube_config_available
 from agent.kube.client import KubeClient, Limits
 from agent.kube.metrics import KubeMetrics

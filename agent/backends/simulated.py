@@ -1,0 +1,183 @@
+"""The simulated backend: GPUs described by a preset, for kind clusters, laptops and tests.
+
+Selected only explicitly (``gpu-agent run --simulated [--preset NAME|FILE]``). Everything is
+deterministic: the same preset on the same node name gives the same inventory and UUIDs, and
+health changes only when :meth:`SimulatedBackend.inject` says so.
+
+The preset format and how inventories are built from it live in ``agent.backends.preset``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import threading
+
+import structlog
+
+from agent.backends.backend import SignalSink
+from agent.backends.preset import LoadedPreset, build_inventory, load_preset, preset_names
+from agent.base.errors import AgentError, DeviceNotFoundError
+from agent.core.config.schema import HealthConfig
+from agent.core.health.model import Signal, SignalKind
+from agent.core.inventory.model import Inventory
+from agent.core.inventory.sample import DeviceSample
+
+log = structlog.get_logger("agent.inventory.simulated")
+
+
+class SimulatedBackend:
+    """A :class:`~agent.backends.backend.Backend` over a preset, with a health-injection hook.
+
+    The preset is read and validated in the constructor, so a bad ``--preset`` fails before
+    anything starts. Health: every ``health.check_interval_s`` each GPU passes its check
+    (``CHECK_OK``) unless an operator fault (``inject(..., healthy=False)`` without an Xid) is
+    on it; injected Xids are one-shot events, exactly like NVML's, so policy and hysteresis
+    decide what they mean.
+    """
+
+    name = "simulated"
+
+    def __init__(self, *, preset: str, node_name: str, health: HealthConfig) -> None:
+        self._preset, self._node_name = preset, node_name
+        self._inventory = self._build()
+        self._health = health
+        self._health_changed = asyncio.Event()
+        self._emit: SignalSink | None = None
+        self._loop_thread: int | None = None
+        self._faulted: set[str] = set()  # GPU UUIDs under an operator fault
+        self._samples = 0
+
+    async def open(self) -> None:
+        return None
+
+    def _build(self) -> Inventory:
+        loaded, inventory = self._read()
+        self.preset_key, self.description = loaded.key, loaded.spec.description
+        return inventory
+
+    def _read(self) -> tuple[LoadedPreset, Inventory]:
+        loaded = load_preset(self._preset)
+        inventory = build_inventory(loaded.spec, preset_key=loaded.key, node_name=self._node_name, label=loaded.label)
+        return loaded, inventory
+
+    async def load(self) -> Inventory:
+        """The node's devices. A preset *file* is read again, so editing it simulates a change
+        of hardware (MIG reconfiguration, a GPU gone); a bad edit raises ConfigError. The file
+        is read and parsed in a worker thread (up to 1 MiB of YAML)."""
+        if self._preset not in preset_names():
+            loaded, self._inventory = await asyncio.to_thread(self._read)
+            self.preset_key, self.description = loaded.key, loaded.spec.description
+        return self._inventory
+
+    async def close(self) -> None:
+        return None
+
+    async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
+        """Plausible, deterministic readings: a held GPU works (40-95 %, a quarter to most of its
+        memory, changing from one sample to the next), an idle one does nothing. MIG devices
+        report memory only, as NVML's do."""
+        self._samples += 1
+        out: dict[str, DeviceSample] = {}
+        for gpu in inventory.gpus:
+            held = gpu.uuid in busy
+            for mig in gpu.mig_devices:
+                out[mig.uuid] = DeviceSample(
+                    uuid=mig.uuid,
+                    memory_used_mib=_used(mig.uuid, mig.memory_mib, held),
+                    memory_total_mib=mig.memory_mib,
+                )
+            if gpu.mig_enabled:  # the parent's memory is its instances' memory; no utilization counter
+                used = sum(out[m.uuid].memory_used_mib or 0 for m in gpu.mig_devices)
+                out[gpu.uuid] = DeviceSample(uuid=gpu.uuid, memory_used_mib=used, memory_total_mib=gpu.memory_mib)
+                continue
+            percent = float(40 + (_seed(gpu.uuid) + 13 * self._samples) % 56) if held else 0.0
+            out[gpu.uuid] = DeviceSample(
+                uuid=gpu.uuid,
+                gpu_percent=percent,
+                memory_used_mib=_used(gpu.uuid, gpu.memory_mib, held),
+                memory_total_mib=gpu.memory_mib,
+            )
+        return out
+
+    def update_health_config(self, config: HealthConfig) -> None:
+        """Live: a running watch wakes up and checks at the new ``check_interval_s`` from now on."""
+        self._health = config
+        changed, self._health_changed = self._health_changed, asyncio.Event()
+        changed.set()
+
+    def readiness(self) -> tuple[bool, str]:
+        return True, f"simulated node ({self.preset_key})"
+
+    def status(self) -> dict[str, object]:
+        return {
+            "backend": self.name,
+            "preset": self.preset_key,
+            "description": self.description,
+            "faulted": sorted(self._faulted),
+        }
+
+    @property
+    def faulted(self) -> frozenset[str]:
+        """GPU UUIDs whose periodic checks are held off by an injected fault."""
+        return frozenset(self._faulted)
+
+    async def watch_health(self, inventory: Inventory, emit: SignalSink) -> None:
+        """Emit CHECK_OK per unfaulted GPU every check interval until cancelled."""
+        self._inventory, self._emit, self._loop_thread = inventory, emit, threading.get_ident()
+        try:
+            while True:
+                for gpu in inventory.gpus:
+                    if gpu.uuid not in self._faulted:
+                        emit(Signal(uuid=gpu.uuid, kind=SignalKind.CHECK_OK))
+                changed = self._health_changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._health.check_interval_s):
+                        await changed.wait()
+        finally:
+            if self._emit is emit:
+                self._emit = self._loop_thread = None
+
+    def inject(self, device: str, *, healthy: bool, xid: int | None = None) -> Signal:
+        """Flip a device's health; the monitor has applied it when this returns.
+
+        ``device`` is a GPU UUID, a GPU index or a MIG UUID (a MIG fault counts against its
+        GPU). Call on the event loop thread while :meth:`watch_health` runs. ``xid`` only
+        matters with ``healthy=False``.
+        """
+        emit = self._emit
+        if emit is None:
+            raise AgentError("cannot inject health: the health monitor is not running (watch_health not started)")
+        if threading.get_ident() != self._loop_thread:
+            raise AgentError("cannot inject health: call inject() on the event loop thread")
+        gpu = self._inventory.find(device)
+        mig = None if gpu is not None else self._inventory.find_mig(device)
+        if mig is not None:
+            gpu = self._inventory.find(mig.parent_uuid)
+        if gpu is None:
+            raise DeviceNotFoundError(
+                f"no simulated device {device!r} (give a GPU UUID, a GPU index 0-{len(self._inventory) - 1} "
+                "or a MIG UUID)"
+            )
+        target = mig.uuid if mig is not None else gpu.uuid
+        if healthy:
+            self._faulted.discard(gpu.uuid)
+            signal = Signal(uuid=target, kind=SignalKind.INJECTED_HEAL, detail="injected")
+        elif xid is not None:
+            signal = Signal(uuid=target, kind=SignalKind.XID, xid=xid, detail="injected")
+        else:
+            self._faulted.add(gpu.uuid)
+            signal = Signal(uuid=target, kind=SignalKind.INJECTED_FAULT, detail="injected")
+        log.info("simulated health injected", device=target, gpu=gpu.uuid, kind=signal.kind.value, xid=signal.xid)
+        emit(signal)
+        return signal
+
+
+def _seed(uuid: str) -> int:
+    """A number fixed by the device's UUID (the same on every run, unlike ``hash``)."""
+    return int.from_bytes(hashlib.sha256(uuid.encode()).digest()[:4], "big")
+
+
+def _used(uuid: str, total_mib: int, held: bool) -> int:
+    return total_mib * (25 + _seed(uuid) % 60) // 100 if held else min(total_mib, 4)

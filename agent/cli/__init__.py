@@ -1,0 +1,1 @@
+"""``gpu-agent``: the command line."""

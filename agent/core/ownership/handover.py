@@ -1,0 +1,292 @@
+"""Live ownership handover: turn the desired owners into granted ones without touching a pod.
+
+The config says which mechanism *should* own each GPU (the desired table, from
+:func:`agent.core.ownership.table.compute_ownership`). A GPU is *granted* to that mechanism only once the
+mechanism that had it no longer uses it; in between it drains, granted to nobody:
+
+* the old owner stops advertising it at once (it reads the granted table: ListAndWatch drops
+  it on the next send, the ResourceSlice in its next write);
+* the drain completes when the old owner reports, in an observation made after the GPU
+  stopped being advertised (plus a short settle for an Allocate the kubelet had in flight),
+  that nothing holds the GPU, and no longer advertises it; then the new owner gets it;
+* a mechanism that cannot tell (the kubelet's PodResources socket missing or failing, the DRA
+  checkpoint not loaded yet) means *unknown*, never idle: the drain waits and says why;
+* changing the config back to the old owner ends the drain at once (nothing moved).
+
+On start there is no previous grant to continue from: :func:`next_grants` derives it from
+what each mechanism has in use (PodResources, the DRA checkpoint) and the desired owners, so
+an agent killed in the middle of a drain continues it. The pure decision is
+:func:`next_grants`; :class:`Handover` runs it whenever the desired table changes and, while
+any drain is open, a few times a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import structlog
+
+from agent.core.config.schema import Owner
+from agent.core.mechanism import Usage
+from agent.core.ownership.table import Drain, OwnershipState, OwnershipTable
+
+log = structlog.get_logger("agent.handover")
+
+#: an observation must be this much younger than the drain's start before it counts: covers an
+#: Allocate the kubelet had already sent before the GPU left ListAndWatch
+SETTLE_S = 0.5
+#: how often open drains are re-checked
+TICK_S = 0.25
+#: holders named in a waiting reason (the rest are counted)
+SHOWN_HOLDERS = 3
+
+MECHANISMS = (Owner.DEVICE_PLUGIN, Owner.DRA)
+_INDEX_RULE = re.compile(r".*\.gpus\['(\d+)'\]")
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What one mechanism reports right now: who uses which GPU, and what it advertises."""
+
+    usage: Usage
+    advertised: frozenset[str] = frozenset()
+
+
+IDLE = Observed(Usage(known=True, as_of=float("inf")))
+
+
+def next_grants(
+    desired: OwnershipTable,
+    previous: OwnershipTable | None,
+    observed: Mapping[Owner, Observed],
+    now: float,
+) -> OwnershipTable:
+    """The granted table that follows ``previous`` for ``desired`` and what the mechanisms report.
+
+    ``previous`` is None on start (derive from usage). ``observed`` has an entry per mechanism;
+    a mechanism that does not exist on this node reports :data:`IDLE`.
+    """
+    owners: dict[str, Owner] = {}
+    draining: dict[str, Drain] = {}
+    for gpu in desired.gpus():
+        want = desired.owner_of(gpu)
+        had = previous.owners.get(gpu) if previous is not None else None
+        drain = previous.draining.get(gpu) if previous is not None else None
+        if had is None:  # start-up, or a GPU that (re)appeared: whoever still holds it drains first
+            holder = _first_holder(gpu, want, observed, unknown_blocks=True)
+            drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=True)
+        elif drain is not None:
+            if want is drain.source:
+                # back to the old owner, which never let go (nothing else had it meanwhile); a
+                # drain derived at start is different: its "source" was a doubt, not a grant, so
+                # this is a new grant and every other mechanism must be known not to hold it
+                holder = _first_holder(gpu, want, observed, unknown_blocks=drain.derived)
+                drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=drain.derived)
+            elif want is not drain.target:
+                drain = replace(drain, target=want)
+        elif had is not want:
+            drain = None if had is Owner.NONE else Drain(source=had, target=want, since=now)
+        if drain is not None:
+            waiting = _waiting_for(gpu, drain, observed.get(drain.source, IDLE))
+            drain = None if not waiting else replace(drain, waiting_for=waiting)
+        if drain is None:
+            owners[gpu] = want
+        else:
+            owners[gpu] = Owner.NONE
+            draining[gpu] = drain
+    for mig, parent in desired.parents.items():
+        owners[mig] = owners[parent]
+    return replace(desired, owners=owners, draining=draining)
+
+
+def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed], *, unknown_blocks: bool) -> Owner | None:
+    """Another mechanism that holds the GPU, advertises it (slices of an earlier run), or — with
+    ``unknown_blocks`` — cannot tell whether it holds it: the GPU must drain from it first."""
+    doubt = None
+    for owner in MECHANISMS:
+        if owner is want:
+            continue
+        seen = observed.get(owner, IDLE)
+        if seen.usage.known and seen.usage.in_use(gpu):
+            return owner
+        if doubt is None and ((unknown_blocks and not seen.usage.known) or gpu in seen.advertised):
+            doubt = owner
+    return doubt
+
+
+def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:
+    """Why the drain cannot complete yet; "" when it can."""
+    if drain.source is Owner.NONE:
+        return ""
+    name = drain.source.value
+    if gpu in source.advertised:
+        return f"{name} still advertises it"
+    usage = source.usage
+    if not usage.known:
+        return f"{name} cannot tell who uses it: {usage.reason or 'no answer yet'}"
+    holders = usage.holders.get(gpu, ())
+    if holders:
+        shown = ", ".join(f"{h.namespace}/{h.name}" for h in holders[:SHOWN_HOLDERS])
+        more = f" and {len(holders) - SHOWN_HOLDERS} more" if len(holders) > SHOWN_HOLDERS else ""
+        kind = "claim" if holders[0].kind == "claim" else "pod"
+        return f"in use through {name} by {kind} {shown}{more}"
+    if usage.as_of < drain.since + SETTLE_S:
+        return f"confirming that {name} no longer uses it"
+    return ""
+
+
+class HandoverListener(Protocol):
+    """Told about drains as they start, complete, or wait too long (Events, metrics)."""
+
+    def started(self, gpu: str, drain: Drain) -> None: ...
+
+    def completed(self, gpu: str, source: Owner, target: Owner, waited_s: float) -> None: ...
+
+    def waiting_long(self, gpu: str, drain: Drain, waited_s: float) -> None: ...
+
+    def index_moved(self, key: str, old_uuid: str, new_uuid: str) -> None: ...
+
+
+class Handover:
+    """Keeps the granted table in step with the desired one; the only writer of grants."""
+
+    def __init__(
+        self,
+        *,
+        ownership: OwnershipState,
+        observe: Mapping[Owner, Callable[[], Observed]],
+        listener: HandoverListener | None = None,
+        long_wait_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        tick_s: float = TICK_S,
+    ) -> None:
+        self._ownership = ownership
+        self._observe = dict(observe)
+        self._listener = listener
+        self._long_wait_s = long_wait_s
+        self._clock = clock
+        self._tick_s = tick_s
+        self._desired: OwnershipTable | None = None
+        self._granted: OwnershipTable | None = None
+        self._warned: set[tuple[str, float]] = set()
+        #: index override key -> the GPU it named last time
+        self._index_targets: dict[str, str] = {}
+        self._kick = asyncio.Event()
+        self.completed = 0
+        self.started = 0
+
+    @property
+    def desired(self) -> OwnershipTable | None:
+        return self._desired
+
+    def set_long_wait(self, seconds: float) -> None:
+        self._long_wait_s = seconds
+
+    def set_desired(self, desired: OwnershipTable) -> None:
+        """A new desired table (config, inventory or labels changed): grant what can be granted now."""
+        self._check_index_overrides(desired)
+        for warning in desired.inert_overrides:
+            if self._desired is None or warning not in self._desired.inert_overrides:
+                log.warning("ownership override is inert", detail=warning)
+        self._desired = desired
+        self.evaluate()
+        self._kick.set()
+
+    def observations(self) -> dict[Owner, Observed]:
+        return {owner: observe() for owner, observe in self._observe.items()}
+
+    def evaluate(self) -> OwnershipTable | None:
+        """Recompute the grants from the latest observations; publish when they change."""
+        if self._desired is None:
+            return None
+        now = self._clock()
+        granted = next_grants(self._desired, self._granted, self.observations(), now)
+        self._report(self._granted, granted, now)
+        self._granted = granted
+        self._ownership.update(granted, self._desired)
+        return granted
+
+    async def run(self) -> None:
+        """Re-check open drains a few times a second, and at once after a desired change."""
+        while True:
+            self._kick.clear()
+            self.evaluate()
+            timeout = self._tick_s if self._granted is None or self._granted.draining else None
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._kick.wait()
+
+    # --- reporting -------------------------------------------------------------------
+
+    def _report(self, before: OwnershipTable | None, after: OwnershipTable, now: float) -> None:
+        old = before.draining if before is not None else {}
+        for gpu, drain in after.draining.items():
+            if gpu not in old or old[gpu].target is not drain.target:
+                self.started += 1
+                log.info(
+                    "handover started",
+                    gpu=gpu,
+                    source=drain.source.value,
+                    target=drain.target.value,
+                    waiting_for=drain.waiting_for,
+                )
+                if self._listener is not None:
+                    self._listener.started(gpu, drain)
+            waited = now - drain.since
+            if waited >= self._long_wait_s and (gpu, drain.since) not in self._warned:
+                self._warned.add((gpu, drain.since))
+                log.warning(
+                    "handover waiting",
+                    gpu=gpu,
+                    source=drain.source.value,
+                    target=drain.target.value,
+                    waited_s=round(waited, 1),
+                    waiting_for=drain.waiting_for,
+                )
+                if self._listener is not None:
+                    self._listener.waiting_long(gpu, drain, waited)
+        for gpu, drain in old.items():
+            if gpu in after.draining:
+                continue
+            self._warned = {w for w in self._warned if w[0] != gpu}
+            target = after.owners.get(gpu)
+            if target is None:
+                log.warning("GPU vanished while draining", gpu=gpu, source=drain.source.value)
+                continue
+            waited = now - drain.since
+            self.completed += 1
+            log.info(
+                "handover completed" if target is drain.target else "handover cancelled",
+                gpu=gpu,
+                source=drain.source.value,
+                owner=target.value,
+                waited_s=round(waited, 3),
+            )
+            if self._listener is not None:
+                self._listener.completed(gpu, drain.source, target, waited)
+
+    def _check_index_overrides(self, desired: OwnershipTable) -> None:
+        """An override by index now naming another GPU (NVML renumbers when one falls off the bus)."""
+        targets: dict[str, str] = {}
+        for gpu, rule in desired.rules.items():
+            match = _INDEX_RULE.fullmatch(rule)
+            if match is not None:
+                targets[rule] = gpu
+        for rule, gpu in targets.items():
+            old = self._index_targets.get(rule)
+            if old is not None and old != gpu:
+                log.warning(
+                    "an index override now names another GPU; running pods stay protected by the drain",
+                    rule=rule,
+                    old_gpu=old,
+                    new_gpu=gpu,
+                )
+                if self._listener is not None:
+                    self._listener.index_moved(rule, old, gpu)
+        self._index_targets.update(targets)

@@ -1,0 +1,188 @@
+"""Which mechanism owns each physical GPU: the one place both mechanisms ask "is this mine?".
+
+Two tables of the same shape (:class:`OwnershipTable`):
+
+* the **desired** table, a pure function of (inventory, ownership config, node name, node
+  labels) — :func:`compute_ownership` — recomputed whenever one of those changes;
+* the **granted** table, what the mechanisms may act on. :mod:`agent.core.ownership.handover` derives it from
+  the desired table and from what each mechanism still has in use: a GPU moves to its new
+  owner only once the old owner no longer uses it. Until then it is *draining*: granted to
+  nobody (``owners`` says ``none``) and listed in ``draining`` with where it comes from and
+  where it goes.
+
+Mechanisms read only the granted table, through :meth:`OwnershipTable.granted_to`. MIG devices
+always belong to their parent's owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from agent.base.feeds import Broadcast
+from agent.core.config.schema import NodeRule, Owner, OwnershipConfig
+from agent.core.inventory.model import Inventory
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """A GPU on its way from one owner to another, waiting for the old owner's users to leave."""
+
+    source: Owner
+    target: Owner
+    #: monotonic time the drain started
+    since: float
+    #: why it has not completed yet ("" once nothing is known to hold it)
+    waiting_for: str = ""
+    #: derived at start (or for a GPU that reappeared) from what might hold it, not from a grant
+    #: this process made: the source may never have had it, so going back to it is a new grant
+    derived: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"draining:{self.source.value}->{self.target.value}"
+
+
+@dataclass(frozen=True, slots=True)
+class OwnershipTable:
+    #: config version the table was computed from
+    version: str
+    #: GPU UUID -> owner, and MIG UUID -> its parent's owner (a draining GPU: ``none``)
+    owners: Mapping[str, Owner] = field(default_factory=dict)
+    #: MIG UUID -> parent GPU UUID
+    parents: Mapping[str, str] = field(default_factory=dict)
+    #: where the node's default came from ("cluster default" or "ownership.nodes[i]")
+    node_rule: str = "cluster default"
+    #: GPU UUID -> the rule that decided its desired owner (for ``config plan`` and /debug/state)
+    rules: Mapping[str, str] = field(default_factory=dict)
+    #: GPU UUID -> its drain (granted tables only)
+    draining: Mapping[str, Drain] = field(default_factory=dict)
+    #: per-GPU overrides that name no GPU on this node: inert until such a GPU appears
+    inert_overrides: tuple[str, ...] = ()
+
+    def owner_of(self, uuid: str) -> Owner:
+        """The owner of a GPU or MIG device; devices not on the node belong to nobody."""
+        return self.owners.get(uuid, Owner.NONE)
+
+    def granted_to(self, uuid: str, owner: Owner) -> bool:
+        """Whether ``owner`` may advertise and hand out this GPU or MIG device now.
+
+        The one question both mechanisms ask, for every device they list, publish, allocate
+        or prepare; nothing else decides "is this GPU mine". A draining GPU is nobody's.
+        """
+        return self.owner_of(uuid) is owner and self.parents.get(uuid, uuid) not in self.draining
+
+    def gpus_granted_to(self, owner: Owner) -> frozenset[str]:
+        """Physical GPUs (no MIG devices) granted to ``owner``."""
+        return frozenset(
+            u for u, o in self.owners.items() if o is owner and u not in self.parents and u not in self.draining
+        )
+
+    def state_of(self, uuid: str) -> str:
+        """What /debug/state shows: the owner, or ``draining:<from>-><to>``."""
+        drain = self.draining.get(self.parents.get(uuid, uuid))
+        return drain.label if drain is not None else self.owner_of(uuid).value
+
+    def gpus(self) -> list[str]:
+        return [u for u in self.owners if u not in self.parents]
+
+    def counts(self) -> dict[Owner, int]:
+        """Physical GPUs per owner; draining GPUs count for nobody (see :meth:`drain_count`)."""
+        out = dict.fromkeys(Owner, 0)
+        for uuid, owner in self.owners.items():
+            if uuid not in self.parents and uuid not in self.draining:
+                out[owner] += 1
+        return out
+
+    def drain_count(self) -> int:
+        return len(self.draining)
+
+
+def node_rule_for(
+    config: OwnershipConfig, node_name: str, node_labels: Mapping[str, str]
+) -> tuple[int, NodeRule] | None:
+    """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
+    for i, rule in enumerate(config.nodes):
+        by_name = bool(rule.match.names) and node_name in rule.match.names
+        by_labels = bool(rule.match.labels) and all(node_labels.get(k) == v for k, v in rule.match.labels.items())
+        if by_name or by_labels:
+            return i, rule
+    return None
+
+
+def compute_ownership(
+    inventory: Inventory,
+    config: OwnershipConfig,
+    *,
+    node_name: str,
+    node_labels: Mapping[str, str],
+    version: str,
+) -> OwnershipTable:
+    """The desired owners: cluster default, then the node rule, then per-GPU overrides.
+
+    A per-GPU override that names no GPU of this node (a GPU that fell off the bus, a rule
+    shared by a pool whose nodes have different GPUs, or a typo) is not an error: it is inert
+    and listed in ``inert_overrides``, and the rest of the config applies. Overrides by index
+    follow whatever GPU holds that index now; :mod:`agent.core.ownership.handover` notices when that changes.
+    """
+    default = config.default
+    default_rule = "cluster default"
+    overrides: Mapping[str, Owner] = {}
+    rule_label = "cluster default"
+    matched = node_rule_for(config, node_name, node_labels)
+    if matched is not None:
+        index, rule = matched
+        rule_label = f"ownership.nodes[{index}]"
+        if rule.default is not None:
+            default, default_rule = rule.default, f"{rule_label}.default"
+        overrides = rule.gpus
+
+    owners: dict[str, Owner] = {gpu.uuid: default for gpu in inventory.gpus}
+    rules: dict[str, str] = {gpu.uuid: default_rule for gpu in inventory.gpus}
+    inert: list[str] = []
+    for key, owner in overrides.items():
+        gpu = inventory.find(key)
+        where = f"{rule_label}.gpus[{key!r}]"
+        if gpu is None:
+            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
+            continue
+        owners[gpu.uuid] = owner
+        rules[gpu.uuid] = where
+
+    parents: dict[str, str] = {}
+    for gpu in inventory.gpus:
+        for mig in gpu.mig_devices:
+            owners[mig.uuid] = owners[gpu.uuid]
+            parents[mig.uuid] = gpu.uuid
+    return OwnershipTable(
+        version=version,
+        owners=owners,
+        parents=parents,
+        node_rule=rule_label,
+        rules=rules,
+        inert_overrides=tuple(inert),
+    )
+
+
+class OwnershipState:
+    """Holds the granted table (and the desired one it came from) and announces grant changes.
+
+    Only the handover (or a test) calls :meth:`update`. Constructed with a table and nothing
+    else, desired and granted are the same table.
+    """
+
+    def __init__(self, table: OwnershipTable | None = None) -> None:
+        self.current = table or OwnershipTable(version="")
+        self.desired = self.current
+        self.changes: Broadcast[OwnershipTable] = Broadcast()
+
+    def update(self, granted: OwnershipTable, desired: OwnershipTable | None = None) -> bool:
+        """Install a granted table; returns whether any grant changed (and only then publishes)."""
+        changed = dict(granted.owners) != dict(self.current.owners) or set(granted.draining) != set(
+            self.current.draining
+        )
+        self.current = granted
+        self.desired = desired or granted
+        if changed:
+            self.changes.publish(granted)
+        return changed

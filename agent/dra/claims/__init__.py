@@ -1,0 +1,1 @@
+"""Claim preparation: the domain behind NodePrepareResources and NodeUnprepareResources, and its checkpoint."""

@@ -1,1 +1,0 @@
-"""Device inventory: the model and the backends that fill it."""

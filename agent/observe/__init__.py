@@ -1,0 +1,1 @@
+"""What operators see: the debug endpoint, metrics, utilization, orphaned allocations, the registration watchdog."""

@@ -1,0 +1,1 @@
+"""Prometheus collectors read from live state at scrape time."""

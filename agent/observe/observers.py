@@ -1,0 +1,97 @@
+"""The operator-facing watchers the composition root adds to the agent, built in one place.
+
+* :class:`~agent.observe.utilization.UtilizationSampler`: how busy each GPU and MIG device is;
+* :class:`~agent.observe.orphans.OrphanDetector`: devices held for pods or claims that are gone;
+* :class:`~agent.observe.watchdog.Watchdog`: what the agent advertises against what the node shows.
+
+Each runs as a root task (:meth:`Observers.roots`) and reads the mechanisms only through
+:class:`~agent.core.mechanism.Mechanism`. Without API access (``kube`` None) the orphan check and the
+watchdog still run on what needs no API (CDI claim specs; the kubelet's PodResources view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from agent.backends.backend import Backend
+from agent.core.config.current import ConfigState
+from agent.core.inventory.current import InventoryState
+from agent.core.mechanism import Mechanism
+from agent.core.ownership.handover_events import EventSink
+from agent.kube.claims.model import ClaimSource
+from agent.kube.claims.source import NoApiClaims
+from agent.kube.client import KubeClient
+from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, NodeStatusSource
+from agent.kube.pods import KubePods, NoApiPods, PodLookup
+from agent.observe.orphans import OrphanDetector
+from agent.observe.utilization import UtilizationSampler
+from agent.observe.watchdog import Watchdog
+
+
+@dataclass(frozen=True, slots=True)
+class Observers:
+    utilization: UtilizationSampler
+    orphans: OrphanDetector
+    watchdog: Watchdog
+
+    def roots(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        return {"utilization": self.utilization.run, "orphans": self.orphans.run, "watchdog": self.watchdog.run}
+
+    def debug_state(self) -> dict[str, object]:
+        return {
+            "utilization": self.utilization.debug_state(),
+            "orphans": self.orphans.debug_state(),
+            "watchdog": self.watchdog.debug_state(),
+        }
+
+
+def busy_gpus(mechanisms: Mapping[str, Mechanism]) -> frozenset[str]:
+    """Physical GPUs something holds through any mechanism (as far as each can tell)."""
+    return frozenset(gpu for m in mechanisms.values() for gpu, held in m.usage().holders.items() if held)
+
+
+def build_observers(
+    *,
+    config: ConfigState,
+    backend: Backend,
+    inventory: InventoryState,
+    mechanisms: Mapping[str, Mechanism],
+    registry: CollectorRegistry,
+    kube: KubeClient | None = None,
+    node_name: str = "",
+    claims: ClaimSource | None = None,
+    events: EventSink | None = None,
+) -> Observers:
+    pods: PodLookup = KubePods(kube) if kube is not None else NoApiPods()
+    node: NodeStatusSource = NodeStatusReader(kube, node_name=node_name) if kube is not None else NoApiNodeStatus()
+    cdi = config.config.cdi
+    return Observers(
+        utilization=UtilizationSampler(
+            backend=backend,
+            inventory=inventory,
+            config=config,
+            busy=lambda: busy_gpus(mechanisms),
+            registry=registry,
+        ),
+        orphans=OrphanDetector(
+            mechanisms=mechanisms,
+            pods=pods,
+            claims=claims or NoApiClaims(),
+            config=config,
+            cdi_dir=config.config.paths.cdi_root if cdi.enabled else None,
+            claim_kind=cdi.claim_kind,
+            events=events,
+            registry=registry,
+        ),
+        watchdog=Watchdog(
+            mechanisms=mechanisms,
+            node=node,
+            config=config,
+            has_gpus=lambda: bool(inventory.current.gpus),
+            events=events,
+            registry=registry,
+        ),
+    )
