@@ -16,7 +16,7 @@ from agent.core.config.schema import HealthConfig
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.ownership.table import OwnershipState
-from agent.runtime.agent import Agent
+from agent.runtime.assemble import build_agent
 from tests.test_plugin_fakes import wait_for
 
 
@@ -26,7 +26,7 @@ async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() 
     inventory = await backend.load()
     monitor = HealthMonitor(config=health)
     monitor.set_inventory(inventory)
-    agent = Agent(
+    agent = build_agent(
         config_state=ConfigState(load_config(None)),
         node_name="n",
         backend=backend,

@@ -26,6 +26,7 @@ from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationChec
 from agent.core.ownership.table import OwnershipState
 from agent.observe.metrics.gpus import GpuCollector
 from agent.runtime.agent import Agent
+from agent.runtime.assemble import build_agent
 from tests.test_plugin_fakes import ownership_for
 
 
@@ -88,7 +89,7 @@ async def node() -> Iterator[Node]:
     monitor.set_inventory(inventory)
     registry = CollectorRegistry()
     plugin, dra = FakeMechanism(), FakeMechanism(owner=Owner.DRA)
-    agent = Agent(
+    agent = build_agent(
         config_state=ConfigState(LoadedConfig(config=config, version="t", source="test")),
         node_name="n",
         backend=backend,

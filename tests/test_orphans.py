@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
+from agent.cdi.names import ClaimSpecDirectory
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig, build_config
 from agent.core.mechanism import Holder, Usage
@@ -99,8 +100,7 @@ async def setup(tmp_path: Path, *, cdi_dir: Path | None = None, **orphans: objec
             pods=pods,
             claims=claims,
             config=config(**orphans),
-            cdi_dir=cdi_dir,
-            claim_kind=KIND,
+            claim_specs=ClaimSpecDirectory(cdi_dir, KIND) if cdi_dir is not None else None,
             events=events,
             registry=registry,
         )

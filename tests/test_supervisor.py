@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agent.base.errors import BackendError
-from agent.runtime.app import AgentCrashed, _supervise
+from agent.runtime.supervisor import AgentCrashed, supervise
 
 
 async def forever(cancelled: list[str], name: str) -> None:
@@ -26,7 +26,7 @@ async def test_a_crashing_task_stops_the_others() -> None:
 
     roots = {"a": lambda: forever(cancelled, "a"), "b": lambda: forever(cancelled, "b"), "bad": crash}
     with pytest.raises(AgentCrashed, match="bad crashed: RuntimeError: boom"):
-        await asyncio.wait_for(_supervise(roots, asyncio.Event()), 5)
+        await asyncio.wait_for(supervise(roots, asyncio.Event()), 5)
     assert sorted(cancelled) == ["a", "b"]
 
 
@@ -35,7 +35,7 @@ async def test_an_agent_error_is_reported_in_one_line() -> None:
         raise BackendError("GPU-1 fell off the bus")
 
     with pytest.raises(AgentCrashed, match=r"^health-watch failed: GPU-1 fell off the bus$"):
-        await asyncio.wait_for(_supervise({"health-watch": lost}, asyncio.Event()), 5)
+        await asyncio.wait_for(supervise({"health-watch": lost}, asyncio.Event()), 5)
 
 
 async def test_a_task_that_returns_is_a_crash_too() -> None:
@@ -45,14 +45,14 @@ async def test_a_task_that_returns_is_a_crash_too() -> None:
         return None
 
     with pytest.raises(AgentCrashed, match="quits ended unexpectedly"):
-        await asyncio.wait_for(_supervise({"quits": quits, "a": lambda: forever(cancelled, "a")}, asyncio.Event()), 5)
+        await asyncio.wait_for(supervise({"quits": quits, "a": lambda: forever(cancelled, "a")}, asyncio.Event()), 5)
     assert cancelled == ["a"]
 
 
 async def test_stop_cancels_everything_and_returns() -> None:
     cancelled: list[str] = []
     stop = asyncio.Event()
-    task = asyncio.create_task(_supervise({"a": lambda: forever(cancelled, "a")}, stop))
+    task = asyncio.create_task(supervise({"a": lambda: forever(cancelled, "a")}, stop))
     await asyncio.sleep(0)
     stop.set()
     await asyncio.wait_for(task, 5)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
+from pathlib import Path
 
 from agent.cdi.errors import InvalidNameError
 
@@ -120,3 +122,23 @@ def claim_uid_of(kind: str, file_name: str) -> str | None:
         return None
     uid = file_name[len(prefix) : -len(SPEC_SUFFIX)]
     return uid if _CLAIM_UID.fullmatch(uid) else None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimSpecDirectory:
+    """The transient claim specs of ``kind`` in ``directory``: which claims have one."""
+
+    directory: Path
+    kind: str
+
+    @property
+    def where(self) -> str:
+        return str(self.directory)
+
+    def uids(self) -> frozenset[str]:
+        """Claim UIDs with a spec file; an absent or unreadable directory has none. Blocking."""
+        try:
+            names = [entry.name for entry in self.directory.iterdir()]
+        except OSError:
+            return frozenset()
+        return frozenset(uid for name in names if (uid := claim_uid_of(self.kind, name)) is not None)

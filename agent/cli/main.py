@@ -334,7 +334,7 @@ def config_check(
     ``node_name``, ``NODE_NAME``, then the host name. ``--preset`` implies ``--simulated`` here:
     this command only ever simulates.
     """
-    from agent.core.config.check import describe_ownership
+    from agent.cli.config import describe_ownership
     from agent.core.config.node import resolve_node_name
 
     with user_errors():

@@ -18,15 +18,15 @@ from prometheus_client import CollectorRegistry
 
 from agent.backends.backend import Backend
 from agent.core.config.current import ConfigState
+from agent.core.eventsink import EventSink
 from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Mechanism
-from agent.core.ownership.handover_events import EventSink
 from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import NoApiClaims
 from agent.kube.client import KubeClient
 from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, NodeStatusSource
 from agent.kube.pods import KubePods, NoApiPods, PodLookup
-from agent.observe.orphans import OrphanDetector
+from agent.observe.orphans import ClaimSpecListing, OrphanDetector
 from agent.observe.utilization import UtilizationSampler
 from agent.observe.watchdog import Watchdog
 
@@ -63,11 +63,11 @@ def build_observers(
     kube: KubeClient | None = None,
     node_name: str = "",
     claims: ClaimSource | None = None,
+    claim_specs: ClaimSpecListing | None = None,
     events: EventSink | None = None,
 ) -> Observers:
     pods: PodLookup = KubePods(kube) if kube is not None else NoApiPods()
     node: NodeStatusSource = NodeStatusReader(kube, node_name=node_name) if kube is not None else NoApiNodeStatus()
-    cdi = config.config.cdi
     return Observers(
         utilization=UtilizationSampler(
             backend=backend,
@@ -81,8 +81,7 @@ def build_observers(
             pods=pods,
             claims=claims or NoApiClaims(),
             config=config,
-            cdi_dir=config.config.paths.cdi_root if cdi.enabled else None,
-            claim_kind=cdi.claim_kind,
+            claim_specs=claim_specs,
             events=events,
             registry=registry,
         ),

@@ -33,16 +33,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from pathlib import Path
+from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.base.errors import AgentError
-from agent.cdi.names import claim_uid_of
 from agent.core.config.current import ConfigState
+from agent.core.eventsink import EventSink
 from agent.core.mechanism import Mechanism
-from agent.core.ownership.handover_events import EventSink
 from agent.kube.claims.model import ClaimRef, ClaimSource, ResourceClaim
 from agent.kube.pods import PodLookup, PodState
 
@@ -112,6 +111,19 @@ class _Answer:
     unreserved_streak: int = 0
 
 
+class ClaimSpecListing(Protocol):
+    """The CDI claim specs on disk, as the root hands them in (``agent.cdi.names.ClaimSpecDirectory``)."""
+
+    @property
+    def where(self) -> str:
+        """Where they are, for messages."""
+        ...
+
+    def uids(self) -> frozenset[str]:
+        """Claim UIDs that have a spec file; blocking (called in a worker thread), never raises."""
+        ...
+
+
 def _utc_now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
@@ -124,8 +136,7 @@ class OrphanDetector:
         pods: PodLookup,
         claims: ClaimSource,
         config: ConfigState,
-        cdi_dir: Path | None = None,
-        claim_kind: str = "",
+        claim_specs: ClaimSpecListing | None = None,
         events: EventSink | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -135,8 +146,7 @@ class OrphanDetector:
         self._pods = pods
         self._claims = claims
         self._config = config
-        self._cdi_dir = cdi_dir
-        self._claim_kind = claim_kind
+        self._claim_specs = claim_specs
         self._events = events
         self._clock = clock
         self._wall = wall
@@ -364,6 +374,7 @@ class OrphanDetector:
         return out
 
     def _spec_orphans(self, spec_uids: frozenset[str], claim_uids: set[str]) -> list[Orphan]:
+        where = self._claim_specs.where if self._claim_specs is not None else ""
         streaks: dict[str, int] = {}
         for uid in spec_uids - claim_uids:
             streaks[uid] = self._spec_streaks.get(uid, 0) + 1
@@ -375,7 +386,7 @@ class OrphanDetector:
                 "",
                 uid,
                 (),
-                f"no prepared claim in the DRA checkpoint, and still in {self._cdi_dir} after {n} checks "
+                f"no prepared claim in the DRA checkpoint, and still in {where} after {n} checks "
                 "(the CDI reconciler removes such specs; see its last errors)",
             )
             for uid, n in sorted(streaks.items())
@@ -383,18 +394,9 @@ class OrphanDetector:
         ]
 
     async def _spec_uids(self) -> frozenset[str]:
-        directory, kind = self._cdi_dir, self._claim_kind
-        if directory is None or not kind:
+        if self._claim_specs is None:
             return frozenset()
-
-        def listing() -> frozenset[str]:
-            try:
-                names = [entry.name for entry in directory.iterdir()]
-            except OSError:
-                return frozenset()  # no CDI directory (yet): no specs
-            return frozenset(uid for name in names if (uid := claim_uid_of(kind, name)) is not None)
-
-        return await asyncio.to_thread(listing)
+        return await asyncio.to_thread(self._claim_specs.uids)
 
     # --- reporting ----------------------------------------------------------------------------
 

@@ -32,8 +32,8 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agent.core.config.current import ConfigState
+from agent.core.eventsink import EventSink
 from agent.core.mechanism import Mechanism, Readiness
-from agent.core.ownership.handover_events import EventSink
 from agent.kube.nodestatus import NodeStatusSource
 
 log = structlog.get_logger("agent.watchdog")

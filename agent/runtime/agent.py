@@ -1,20 +1,19 @@
 """The running agent: its components, and the derived per-node state it keeps consistent.
 
-:class:`Agent` is built by the composition root (``agent/runtime/app.py``) once every component exists
-and is read by the debug endpoint and by tests. When the inventory, the config or the node's
-labels change, it updates health tracking and the ownership it hands to the handover first and
-then publishes the new inventory, so a consumer woken by a change reads a consistent picture.
+:class:`Agent` is built by the composition root (:func:`agent.runtime.assemble.build_agent`) from
+components that already exist, and is read by the debug endpoint and by tests. When the
+inventory, the config or the node's labels change, it updates health tracking and the ownership
+it hands to the handover first and then publishes the new inventory, so a consumer woken by a
+change reads a consistent picture.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import structlog
-from prometheus_client import CollectorRegistry
 
 from agent.backends.backend import Backend
 from agent.base.errors import AgentError
@@ -28,16 +27,14 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Mechanism, Readiness
-from agent.core.ownership.handover import Handover, Observed
-from agent.core.ownership.handover_events import EventSink, HandoverEvents
+from agent.core.ownership.handover import Handover
 from agent.core.ownership.plan import plan_rows
 from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
 from agent.kube.labels import NodeLabelSource, StaticLabelSource
 from agent.observe.debug.document import agent_state
 from agent.observe.debug.server import SimulatedControl
-from agent.observe.metrics.agent import AgentCollector, LoopLagProbe
-from agent.observe.metrics.gpus import GpuCollector
-from agent.observe.observers import Observers, build_observers
+from agent.observe.metrics.agent import LoopLagProbe
+from agent.observe.observers import Observers
 
 log = structlog.get_logger("agent")
 
@@ -61,10 +58,10 @@ class Agent:
         ownership: OwnershipState,
         cdi: CdiProvider,
         mechanisms: Mapping[str, Mechanism],
-        registry: CollectorRegistry,
-        labels: NodeLabelSource | StaticLabelSource | None = None,
-        events: EventSink | None = None,
-        observers: Observers | None = None,
+        labels: NodeLabelSource | StaticLabelSource,
+        handover: Handover,
+        observers: Observers,
+        loop_lag: LoopLagProbe,
     ) -> None:
         self.config_state = config_state
         self.node_name = node_name
@@ -74,42 +71,15 @@ class Agent:
         self.ownership = ownership
         self.cdi = cdi
         self._mechanisms = dict(mechanisms)
-        self.registry = registry
-        self.labels = labels or StaticLabelSource({})
-        self.loop_lag = LoopLagProbe()
+        self.labels = labels
+        #: the only writer of grants: desired owners become granted once the old owner let go
+        self.handover = handover
+        #: utilization, orphaned allocations, the registration watchdog
+        self.observers = observers
+        self.loop_lag = loop_lag
         self.debug_port = 0
         #: labels read from the Node object; the config's node_labels win over them
         self.api_labels: dict[str, str] = {}
-        #: the only writer of grants: desired owners become granted once the old owner let go
-        self.handover = Handover(
-            ownership=ownership,
-            observe={
-                mechanism.owner: functools.partial(_observe, mechanism) for mechanism in self._mechanisms.values()
-            },
-            listener=HandoverEvents(events=events, registry=registry),
-            long_wait_s=config_state.config.ownership.handover_warning_s,
-        )
-        registry.register(
-            AgentCollector(
-                devices=self, health=health, ownership=ownership, config=config_state, loop_lag=self.loop_lag
-            )
-        )
-        #: utilization, orphaned allocations, the registration watchdog (without API access unless given)
-        self.observers = observers or build_observers(
-            config=config_state, backend=backend, inventory=inventory, mechanisms=self._mechanisms, registry=registry
-        )
-        registry.register(
-            GpuCollector(
-                inventory=inventory,
-                health=health,
-                ownership=ownership,
-                mechanisms=self._mechanisms,
-                utilization=self.observers.utilization,
-                config=config_state,
-                pod_uid=self.observers.orphans.pod_uid,
-                claim_pods=self.observers.orphans.claim_pods,
-            )
-        )
 
     # --- views ---------------------------------------------------------------------
 
@@ -311,7 +281,3 @@ class Agent:
             log.info("desired ownership changed", reason=reason, desired=counts)
         self.handover.set_long_wait(self.config_state.config.ownership.handover_warning_s)
         self.handover.set_desired(desired)
-
-
-def _observe(mechanism: Mechanism) -> Observed:
-    return Observed(mechanism.usage(), mechanism.advertised_gpus())

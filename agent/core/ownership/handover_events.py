@@ -8,20 +8,11 @@ counter by outcome. Without API access only the counters and the log lines remai
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from prometheus_client import CollectorRegistry, Counter
 
 from agent.core.config.schema import Owner
+from agent.core.eventsink import EventSink
 from agent.core.ownership.table import Drain
-
-
-class EventSink(Protocol):
-    """Posts an Event about the node; never blocks, never raises (``agent.kube.recorder``)."""
-
-    def normal(self, reason: str, message: str) -> None: ...
-
-    def warning(self, reason: str, message: str) -> None: ...
 
 
 class HandoverEvents:

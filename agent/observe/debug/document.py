@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from agent import __version__
-from agent.cdi.service import CdiProvider
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import to_plain
 from agent.core.config.schema import Config
@@ -29,6 +28,12 @@ from agent.core.ownership.table import OwnershipState
 from agent.observe.observers import Observers
 
 
+class ShowsState(Protocol):
+    """A component with its own section of the document (the CDI service)."""
+
+    def debug_state(self) -> dict[str, object]: ...
+
+
 class AgentView(Protocol):
     """What the state document reads; :class:`agent.runtime.agent.Agent` provides it."""
 
@@ -37,8 +42,10 @@ class AgentView(Protocol):
     health: HealthMonitor
     ownership: OwnershipState
     config_state: ConfigState
-    cdi: CdiProvider
     observers: Observers
+
+    @property
+    def cdi(self) -> ShowsState: ...
 
     @property
     def status(self) -> str: ...

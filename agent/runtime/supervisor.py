@@ -1,0 +1,80 @@
+"""Root tasks under one supervisor: named, guarded, and stopped together.
+
+Each root task runs behind :func:`guard`: a failure, or a return from a task that should run
+forever, becomes :class:`AgentCrashed`, which cancels every other root task and stops the agent
+in order (the DaemonSet restarts it). Tasks start one by one (:meth:`Supervisor.start`), so the
+composition root can start the device plugin before the rest of the agent is even built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import structlog
+
+from agent.base.errors import AgentError
+
+log = structlog.get_logger("agent")
+
+
+class AgentCrashed(AgentError):
+    """A root task failed or ended; the agent stopped."""
+
+
+async def guard(name: str, work: Callable[[], Awaitable[None]]) -> None:
+    """Run a root task; a failure or an unexpected return becomes AgentCrashed."""
+    try:
+        await work()
+    except asyncio.CancelledError:
+        raise
+    except AgentError as exc:
+        log.error("task failed", task=name, error=str(exc))
+        raise AgentCrashed(f"{name} failed: {exc}") from exc
+    except Exception as exc:
+        log.exception("task crashed", task=name)
+        raise AgentCrashed(f"{name} crashed: {type(exc).__name__}: {exc}") from exc
+    log.error("task ended unexpectedly", task=name)
+    raise AgentCrashed(f"{name} ended unexpectedly")
+
+
+class Supervisor:
+    """Root tasks of one TaskGroup, each behind :func:`guard`; started one by one."""
+
+    def __init__(self, group: asyncio.TaskGroup) -> None:
+        self._group = group
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self, name: str, work: Callable[[], Awaitable[None]]) -> None:
+        self.tasks.append(self._group.create_task(guard(name, work), name=name))
+
+
+@contextlib.asynccontextmanager
+async def supervised() -> AsyncIterator[Supervisor]:
+    """Run root tasks until the body returns (then cancel them) or one of them fails.
+
+    A failing root task cancels the others and the body, and comes out as one
+    :class:`AgentCrashed`; an AgentError raised by the body itself (a start-up failure while
+    the first roots already run) comes out as itself, one line.
+    """
+    try:
+        async with asyncio.TaskGroup() as group:
+            supervisor = Supervisor(group)
+            yield supervisor
+            for task in supervisor.tasks:
+                task.cancel()
+    except* AgentCrashed as crashed:
+        first = crashed.exceptions[0]
+        raise AgentCrashed(str(first)) from first
+    except* AgentError as failed:
+        raise failed.exceptions[0] from None
+
+
+async def supervise(roots: Mapping[str, Callable[[], Awaitable[None]]], stop: asyncio.Event) -> None:
+    """Run ``roots`` until ``stop`` is set (or one of them fails)."""
+    async with supervised() as supervisor:
+        for name, work in roots.items():
+            supervisor.start(name, work)
+        await stop.wait()
+        log.info("stopping")
