@@ -10,9 +10,17 @@
 # and DRA "...dra.v1") never collide.
 #
 # Usage: scripts/gen-proto.sh [OUT_ROOT]
-#   OUT_ROOT (default: the repository) receives agent/_proto and tests/_grpcio; the test
-#   that checks the committed code regenerates into a temporary OUT_ROOT and compares.
+#   OUT_ROOT (default: the repository) receives agent/_proto and tests/_grpcio, both rebuilt
+#   from nothing; the test that checks the committed code (tests/test_proto_generated.py)
+#   regenerates into a temporary OUT_ROOT and compares byte for byte.
 # Uses the repo's .venv when present (PYTHON overrides).
+#
+# The bytes depend on the generators' versions: grpcio-tools (its protoc, and its own version,
+# which it writes into every *_pb2_grpc.py), betterproto's compiler, and the black and isort
+# that compiler formats its output with. pyproject.toml's test extra pins each of them exactly,
+# and this script refuses to run with any other version installed, so the same pins always
+# give the same bytes. To move to a new grpcio-tools: change its pin (and grpcio's floor),
+# reinstall with `pip install -e '.[test]'`, run this script, commit the result.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,11 +30,45 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 # protoc finds protoc-gen-python_betterproto on PATH
 export PATH="$(dirname "$PY"):$PATH"
 
+# the generators installed must be exactly the versions the test extra pins
+"$PY" - "$ROOT/pyproject.toml" <<'PYTHON'
+import re
+import sys
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+
+with open(sys.argv[1], "rb") as file:
+    extra = tomllib.load(file)["project"]["optional-dependencies"]["test"]
+pins = {}
+for requirement in extra:
+    match = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?==([^;\s]+)", requirement.split(";")[0].strip())
+    if match:
+        pins[match.group(1).lower()] = match.group(2)
+wrong = []
+for tool in ("grpcio-tools", "betterproto", "black", "isort"):
+    try:
+        installed = version(tool)
+    except PackageNotFoundError:
+        installed = "not installed"
+    if tool not in pins:
+        wrong.append(f"{tool}: not pinned with == in pyproject.toml's test extra")
+    elif installed != pins[tool]:
+        wrong.append(f"{tool}: {installed} installed, {pins[tool]} pinned")
+if wrong:
+    print("gen-proto.sh: the generators are not the pinned versions, so neither would the output be:", file=sys.stderr)
+    print("\n".join(f"  {line}" for line in wrong), file=sys.stderr)
+    print(f"  install the pins: {sys.executable} -m pip install -e '.[test]'", file=sys.stderr)
+    sys.exit(1)
+PYTHON
+
 AGENT="$OUT/agent/_proto"
 TESTS="$OUT/tests/_grpcio"
+# both trees hold only generated files: rebuilt from nothing, a proto dropped from the list
+# below leaves no stale module behind
+rm -rf "${AGENT:?}" "${TESTS:?}"
 mkdir -p "$AGENT" "$TESTS"
-[ -f "$AGENT/__init__.py" ] || echo '"""Generated protobuf code (scripts/gen-proto.sh). Do not edit."""' > "$AGENT/__init__.py"
-[ -f "$TESTS/__init__.py" ] || echo '"""Generated grpcio stubs for tests (scripts/gen-proto.sh). Do not edit."""' > "$TESTS/__init__.py"
+echo '"""Generated protobuf code (scripts/gen-proto.sh). Do not edit."""' > "$AGENT/__init__.py"
+echo '"""Generated grpcio stubs for tests (scripts/gen-proto.sh). Do not edit."""' > "$TESTS/__init__.py"
 
 # gen PROTO GROUP FLAT
 #   PROTO  path under proto/
@@ -34,11 +76,9 @@ mkdir -p "$AGENT" "$TESTS"
 #   FLAT   tests/_grpcio/FLAT_pb2.py, FLAT_pb2_grpc.py, FLAT_pb2.pyi
 gen() {
     local proto="$1" group="$2" flat="$3"
-    rm -rf "${AGENT:?}/$group"
     mkdir -p "$AGENT/$group"
     "$PY" -m grpc_tools.protoc -I proto --python_betterproto_out="$AGENT/$group" "proto/$proto"
 
-    rm -f "$TESTS/${flat}_pb2.py" "$TESTS/${flat}_pb2.pyi" "$TESTS/${flat}_pb2_grpc.py"
     # map the file to a flat virtual name so the modules land side by side in tests/_grpcio
     "$PY" -m grpc_tools.protoc -I"${flat}.proto=proto/$proto" \
         --python_out="$TESTS" --pyi_out="$TESTS" --grpc_python_out="$TESTS" "${flat}.proto"
