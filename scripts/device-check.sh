@@ -116,7 +116,8 @@ fi
 step numa 20 "$py" - <<'EOF'
 import os
 from pathlib import Path
-from agent.inventory import nvml_library, sysfs
+from agent.backends import sysfs
+from agent.backends.nvml import library as nvml_library
 import pynvml as nvml
 choice = nvml_library.locate(Path(os.environ["GPU_AGENT_DRIVER_ROOT"]))
 print("library:", choice.searched)
@@ -143,8 +144,8 @@ step inventory-json 30 "$py" -m agent inventory --backend nvml --json
 step health-watch 40 "$py" - <<'EOF'
 import asyncio, collections, json, os
 from pathlib import Path
-from agent.config.schema import HealthConfig
-from agent.inventory.nvml import NvmlBackend
+from agent.core.config.schema import HealthConfig
+from agent.backends.nvml.backend import NvmlBackend
 
 async def main() -> None:
     backend = NvmlBackend(health=HealthConfig(check_interval_s=2), driver_root=Path(os.environ["GPU_AGENT_DRIVER_ROOT"]), required=True)
