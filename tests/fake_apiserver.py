@@ -8,9 +8,8 @@ ResourceClaims (get; tests insert them in any version's shape), Nodes (get, list
 status with ``allocatable`` when a test sets one), Pods (get, whole or as metadata) and Events
 (create, patch, list). ResourceSlices are stored in the v1 shape and converted to and
 from v1beta1's ``basic`` nesting. Validation and error wording follow what a real v1.36
-kube-apiserver answers (``shared/reference/resource-api.md``, "Observed"), resourceVersions
-are a global counter, a stale update is 409 Conflict, and a watch from a compacted
-resourceVersion gets 410 Gone.
+kube-apiserver was seen to answer, resourceVersions are a global counter, a stale update is
+409 Conflict, and a watch from a compacted resourceVersion gets 410 Gone.
 
 Rudeness knobs: ``delay_s`` on every response, :meth:`fail` (any status, N times or until
 cleared), :meth:`hang` (accept and never answer), :meth:`close_watches` (abort),

@@ -5,7 +5,9 @@ nodes have /dev/null's numbers, or over an empty driver root for simulated GPUs,
 specs are environment variables only). podman only reads /etc/cdi and /var/run/cdi, so each run
 happens in a private mount namespace with the test's spec directory bound over /etc/cdi
 and an empty one over /var/run/cdi; nothing of the host's CDI setup is seen or changed.
-Settings this sandbox needs are in shared/reference/cdi-real-consumer.md.
+The ``podman`` fixture holds what a root-only machine without a registry needs: vfs storage and
+config files in a temporary directory, cgroupfs, runc, no network, ulimits no higher than the
+hard limits, and a busybox image imported from a tarball.
 
 A missing tool (or not running as root) is a failure, since the README promises a real podman
 run: .ci/install-podman.sh installs what this needs. Set SKIP_PODMAN_TESTS=1 to skip these
