@@ -192,7 +192,7 @@ def test_a_config_that_is_a_directory_stops_the_agent_with_one_line(tmp_path: Pa
 
 
 def test_config_check_finds_the_node_as_run_does(tmp_path: Path) -> None:
-    """node_name defaults to NODE_NAME, then to the host name (README), for `config check` too."""
+    """node_name defaults to NODE_NAME, then to the host name (docs/configuration.md), for `config check` too."""
     import socket
 
     host = socket.gethostname()

@@ -70,7 +70,7 @@ def test_rendered_objects_validate_against_the_openapi_schema(directory: str, ve
 
 @pytest.mark.parametrize("directory", ["config/deviceclasses", "config/examples"])
 def test_dra_objects_need_resource_k8s_io_v1(directory: str) -> None:
-    # the version floor the README states: before 1.34 there is no resource.k8s.io/v1 to validate against
+    # the version floor docs/operating.md states: before 1.34 there is no resource.k8s.io/v1 to validate against
     dra = [o for o in render(directory) if o["apiVersion"] == "resource.k8s.io/v1"]
     assert dra
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
