@@ -1,7 +1,8 @@
 """The JSON document behind ``GET /debug/state``: one snapshot of the running agent.
 
-Field names that tools and tests rely on (DESIGN.md): ``devices[].uuid/index/owner/health/mig``
-and ``config.version/source/last_error``; more fields may be added, none removed.
+Field names that tools and tests rely on (docs/observability.md, "Debug endpoint"):
+``devices[].uuid/index/owner/health/mig`` and ``config.version/source/last_error``; more fields may
+be added, none removed.
 ``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail`` and
 ``devices[].utilization`` (``gpu_percent``, ``memory_used_mib``, ``memory_total_mib``: numbers, or
 null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans`` and ``watchdog``.
