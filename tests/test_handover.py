@@ -195,15 +195,20 @@ def test_handover_publishes_grants_and_tells_its_listener() -> None:
 
 
 def test_an_index_override_that_now_names_another_gpu_is_reported() -> None:
+    """GPU-1 falls off the bus and NVML renumbers the rest: index 2 is GPU-3 now."""
     from dataclasses import replace
 
     recorder = Recorder()
     handover = Handover(ownership=OwnershipState(), observe={}, listener=recorder)
-    handover.set_desired(desired("device-plugin", {"3": "dra"}))
-    table = desired("device-plugin", {"3": "dra"})
-    renumbered = replace(table, rules={**table.rules, "GPU-2": "ownership.nodes[0].gpus['3']", "GPU-3": "x"})
+    handover.set_desired(desired("device-plugin", {"2": "dra"}))
+    inventory = _inventory()
+    left = tuple(replace(g, index=i) for i, g in enumerate(g for g in inventory.gpus if g.uuid != "GPU-1"))
+    config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"2": "dra"}}]}})
+    renumbered = compute_ownership(
+        replace(inventory, gpus=left), config.ownership, node_name="n1", node_labels={}, version="v2"
+    )
     handover.set_desired(renumbered)
-    assert recorder.events == [("index", "ownership.nodes[0].gpus['3']", "GPU-3", "GPU-2")]
+    assert recorder.events == [("index", "ownership.nodes[0].gpus['2']", "GPU-2", "GPU-3")]
 
 
 @pytest.mark.parametrize("owner", [DP, DRA])

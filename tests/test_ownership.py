@@ -68,6 +68,14 @@ def test_node_rule_by_name_then_gpu_overrides_by_uuid_and_index() -> None:
     assert set(_table(doc, node="n2").values()) == {Owner.DEVICE_PLUGIN}
 
 
+def test_the_table_says_which_overrides_are_by_index_and_the_gpu_each_names() -> None:
+    doc = {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"GPU-0": "dra", "3": "none", "1": "dra", "9": "dra"}}]}
+    config = build_config({"ownership": doc})
+    table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v")
+    # by UUID is not by index; an inert one names no GPU
+    assert table.index_overrides == {"ownership.nodes[0].gpus['1']": "GPU-1", "ownership.nodes[0].gpus['3']": "GPU-3"}
+
+
 def test_node_rule_by_labels_needs_all_labels_and_first_match_wins() -> None:
     doc = {
         "nodes": [

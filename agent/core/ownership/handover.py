@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -47,7 +46,6 @@ TICK_S = 0.25
 SHOWN_HOLDERS = 3
 
 MECHANISMS = (Owner.DEVICE_PLUGIN, Owner.DRA)
-_INDEX_RULE = re.compile(r".*\.gpus\['(\d+)'\]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,11 +271,7 @@ class Handover:
 
     def _check_index_overrides(self, desired: OwnershipTable) -> None:
         """An override by index now naming another GPU (NVML renumbers when one falls off the bus)."""
-        targets: dict[str, str] = {}
-        for gpu, rule in desired.rules.items():
-            match = _INDEX_RULE.fullmatch(rule)
-            if match is not None:
-                targets[rule] = gpu
+        targets = desired.index_overrides
         for rule, gpu in targets.items():
             old = self._index_targets.get(rule)
             if old is not None and old != gpu:

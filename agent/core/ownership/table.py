@@ -55,6 +55,9 @@ class OwnershipTable:
     node_rule: str = "cluster default"
     #: GPU UUID -> the rule that decided its desired owner (for ``config plan`` and /debug/state)
     rules: Mapping[str, str] = field(default_factory=dict)
+    #: the per-GPU overrides by index that decide a GPU's owner: rule (as in ``rules``) -> the GPU
+    #: that index names now (NVML renumbers when a GPU falls off the bus; the handover warns)
+    index_overrides: Mapping[str, str] = field(default_factory=dict)
     #: GPU UUID -> its drain (granted tables only)
     draining: Mapping[str, Drain] = field(default_factory=dict)
     #: per-GPU overrides that name no GPU on this node: inert until such a GPU appears
@@ -140,6 +143,7 @@ def compute_ownership(
     owners: dict[str, Owner] = {gpu.uuid: default for gpu in inventory.gpus}
     rules: dict[str, str] = {gpu.uuid: default_rule for gpu in inventory.gpus}
     inert: list[str] = []
+    by_index: set[str] = set()
     for key, owner in overrides.items():
         gpu = inventory.find(key)
         where = f"{rule_label}.gpus[{key!r}]"
@@ -148,6 +152,8 @@ def compute_ownership(
             continue
         owners[gpu.uuid] = owner
         rules[gpu.uuid] = where
+        if key.isdecimal():
+            by_index.add(where)
 
     parents: dict[str, str] = {}
     for gpu in inventory.gpus:
@@ -160,6 +166,7 @@ def compute_ownership(
         parents=parents,
         node_rule=rule_label,
         rules=rules,
+        index_overrides={where: uuid for uuid, where in rules.items() if where in by_index},
         inert_overrides=tuple(inert),
     )
 
