@@ -32,7 +32,7 @@ from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness
 from agent.core.ownership.table import OwnershipState, compute_ownership
-from agent.dra.claims.driver import Timeouts
+from agent.dra.claims.driver import PrepareTimeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
 from agent.kube.claims.model import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
 from agent.kube.errors import KubeError
@@ -50,7 +50,7 @@ from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
 NODE = "node-a"
 DRIVER = "gpu-node-agent.nvidia.com"
 BOOT = "boot-1"
-FAST = DraTuning(timeouts=Timeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
+FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
 HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
 
 

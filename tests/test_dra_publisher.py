@@ -22,7 +22,7 @@ from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.devices import dra_devices
-from agent.dra.slices.publisher import SlicePublisher
+from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
@@ -83,9 +83,9 @@ async def publishing(
     *,
     limits: Limits | None = None,
     sleep: Any = None,
-) -> AsyncIterator[SlicePublisher]:
+) -> AsyncIterator[KubeSlicePublisher]:
     async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url)), limits=limits) as client:
-        publisher = SlicePublisher(
+        publisher = KubeSlicePublisher(
             client=client,
             node_name=NODE,
             driver_name=DRIVER,
@@ -112,7 +112,7 @@ def _generations(api: FakeApiServer) -> set[int]:
     return {s["spec"]["pool"]["generation"] for s in api.slices_of()}
 
 
-async def _published(api: FakeApiServer, publisher: SlicePublisher, names: list[str]) -> None:
+async def _published(api: FakeApiServer, publisher: KubeSlicePublisher, names: list[str]) -> None:
     await until(lambda: sorted(_devices(api)) == sorted(names) and publisher.readiness().ok, f"published {names}")
 
 

@@ -31,7 +31,7 @@ from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.manager import PluginManager
-from agent.deviceplugin.server import DEFAULT_TIMEOUTS, Timeouts
+from agent.deviceplugin.server import DEFAULT_REGISTRATION_TIMEOUTS, RegistrationTimeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests.fake_kubelet import FakeKubelet
 
@@ -182,7 +182,7 @@ async def plugin_harness(
     plugin: PluginConfig | None = None,
     *,
     start_kubelet: bool = True,
-    timeouts: Timeouts = DEFAULT_TIMEOUTS,
+    timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
     kubelet: Callable[[Path], FakeKubelet] = FakeKubelet,
 ) -> AsyncIterator[PluginHarness]:
     with short_tmpdir() as root:

@@ -430,10 +430,10 @@ async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
 
 async def test_restart_cut_short_by_a_rebuild_leaves_no_old_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild cancels a restart while it drains its streams: the old listener must still close."""
-    from agent.deviceplugin.server import Timeouts
+    from agent.deviceplugin.server import RegistrationTimeouts
     from agent.deviceplugin.service import ResourceService
 
-    async with plugin_harness(timeouts=Timeouts(stream_drain_s=60.0)) as h:
+    async with plugin_harness(timeouts=RegistrationTimeouts(stream_drain_s=60.0)) as h:
         await h.settled()
         server = h.manager.servers[GPU]
         run = server._run

@@ -43,11 +43,11 @@ from agent.deviceplugin.podresources import PodResourcesWatcher, Snapshot
 from agent.deviceplugin.preferred import TopologyScorer
 from agent.deviceplugin.resources import Resource, ResourcePlan, plan_resources
 from agent.deviceplugin.server import (
-    DEFAULT_BACKOFF,
-    DEFAULT_TIMEOUTS,
+    DEFAULT_REGISTRATION_TIMEOUTS,
     KUBELET_SOCKET,
+    REGISTRATION_BACKOFF,
     PluginServer,
-    Timeouts,
+    RegistrationTimeouts,
 )
 from agent.deviceplugin.service import ResourceService
 from agent.deviceplugin.usage import DeviceUsage, device_usage
@@ -81,8 +81,8 @@ class PluginManager:
         cdi: CdiNames,
         plugin_dir: Path,
         registry: CollectorRegistry | None = None,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        backoff: Backoff = REGISTRATION_BACKOFF,
+        timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
         pod_resources: PodResourcesWatcher | None = None,
     ) -> None:
         self._config_state = config_state

@@ -28,11 +28,11 @@ from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
-from agent.dra.claims.driver import DEFAULT_TIMEOUTS, DraDriver, Timeouts
+from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
 from agent.dra.kubelet.endpoints import (
-    DEFAULT_BACKOFF,
     DRA_SOCKET,
     REGISTRY_DIR,
+    SERVE_BACKOFF,
     KubeletPlugin,
     registration_socket_name,
 )
@@ -48,7 +48,9 @@ log = structlog.get_logger("agent.dra")
 
 
 class SlicePublisher(Protocol):
-    """The ResourceSlice publisher (built in ``agent/dra`` by the API side, a fake in tests)."""
+    """What the DRA mechanism needs of the ResourceSlice publisher: :class:`KubeSlicePublisher
+    <agent.dra.slices.publisher.KubeSlicePublisher>` (through the API), :class:`NoApiPublisher
+    <agent.dra.slices.noapi.NoApiPublisher>` (without API access), a fake in tests."""
 
     async def run(self) -> None:
         """Publish and keep the node's slices current until cancelled."""
@@ -79,8 +81,9 @@ class SlicePublisher(Protocol):
 class DraTuning:
     """Bounds and clocks; the defaults are the production values, tests shorten them."""
 
-    timeouts: Timeouts = DEFAULT_TIMEOUTS
-    backoff: Backoff = DEFAULT_BACKOFF
+    timeouts: PrepareTimeouts = DEFAULT_PREPARE_TIMEOUTS
+    #: serving the plugin sockets, and reading a checkpoint that could not be read at start
+    backoff: Backoff = SERVE_BACKOFF
     health_resend_s: float = RESEND_S
     health_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
 
@@ -97,7 +100,7 @@ class DraMechanism:
         registration: RegistrationState,
         publisher: SlicePublisher,
         ownership: OwnershipState,
-        backoff: Backoff = DEFAULT_BACKOFF,
+        backoff: Backoff = SERVE_BACKOFF,
     ) -> None:
         self.driver = driver
         self.plugin = plugin

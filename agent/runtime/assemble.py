@@ -32,7 +32,7 @@ from agent.core.ownership.handover_events import HandoverEvents
 from agent.core.ownership.table import OwnershipState
 from agent.dra.mechanism import build_dra
 from agent.dra.slices.noapi import NoApiPublisher
-from agent.dra.slices.publisher import SlicePublisher
+from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
@@ -57,11 +57,11 @@ async def build_rest(
     kube = await stack.enter_async_context(open_kube(config, registry=registry))
     labels = label_source(client=kube, node_name=node_name, static_labels={})
     events: EventRecorder | None = None
-    publisher: SlicePublisher | NoApiPublisher = NoApiPublisher()
+    publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
     if kube is not None:
         resources = ResourceApi(kube)
-        publisher = SlicePublisher(
+        publisher = KubeSlicePublisher(
             client=kube,
             node_name=node_name,
             driver_name=config.dra.driver_name,

@@ -11,8 +11,8 @@ Contract (what the kubelet relies on, ``kubelet-dra.md`` §5):
 * a claim already prepared is answered from the checkpoint, identically, without the API;
   an unknown or already unprepared claim unprepares successfully;
 * the answer comes well inside the kubelet's 45 s deadline: one API read is bounded by
-  ``Timeouts.api_s``, waiting for another call that works on the same claim by
-  ``Timeouts.lock_s``, each ending in a per-claim error that names the bound;
+  ``PrepareTimeouts.api_s``, waiting for another call that works on the same claim by
+  ``PrepareTimeouts.lock_s``, each ending in a per-claim error that names the bound;
 * a batch costs one checkpoint write (fsync), and concurrent batches share writes.
 
 How a call is prepared, in three steps (each claim under its own lock, so two calls for one
@@ -79,14 +79,16 @@ MAX_BATCH = 512
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
+class PrepareTimeouts:
+    """Bounds on the waits of one NodePrepareResources or NodeUnprepareResources call."""
+
     #: one ResourceClaim read from the API server
     api_s: float = 10.0
     #: waiting for other calls that work on the same claims (the lock phase of a call)
     lock_s: float = 15.0
 
 
-DEFAULT_TIMEOUTS = Timeouts()
+DEFAULT_PREPARE_TIMEOUTS = PrepareTimeouts()
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +214,7 @@ class DraDriver:
         boot_id: str,
         cdi_root: Path | None = None,
         claim_kind: str = "",
-        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        timeouts: PrepareTimeouts = DEFAULT_PREPARE_TIMEOUTS,
         now: Callable[[], str] = utc_now,
     ) -> None:
         self.driver_name = driver_name

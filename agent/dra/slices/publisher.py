@@ -1,6 +1,6 @@
 """Keeps this node's ResourceSlices equal to what the node can offer through DRA.
 
-:class:`SlicePublisher` runs three things on the loop until cancelled:
+:class:`KubeSlicePublisher` runs three things on the loop until cancelled:
 
 * a *feed* task per change source (inventory, ownership, health) that kicks a sync;
 * a *watch* on our own slices (field selector ``spec.nodeName=<node>,spec.driver=<driver>``)
@@ -17,7 +17,7 @@ a dry-run create with a tainted device shows whether the server drops the field 
 ``DRADeviceTaints`` off); every real write is checked the same way. The answer is kept per
 ``resource.k8s.io`` version and found again after a re-discovery.
 
-:meth:`SlicePublisher.published_gpus` is what the handover checks against the device plugin's
+:meth:`KubeSlicePublisher.published_gpus` is what the handover checks against the device plugin's
 ListAndWatch: a GPU counts as published from the moment a write that includes it is attempted
 until a write without it has succeeded. Before the first successful list (the API server was
 unreachable since start) every GPU of the node counts as published: a slice from an earlier
@@ -108,7 +108,7 @@ class SliceMetrics:
         )
 
 
-class SlicePublisher:
+class KubeSlicePublisher:
     def __init__(
         self,
         *,
