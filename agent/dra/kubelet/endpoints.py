@@ -42,7 +42,6 @@ log = structlog.get_logger("agent.dra")
 
 DRA_SOCKET = "dra.sock"
 REGISTRY_DIR = "plugins_registry"
-PLUGINS_DIR = "plugins"
 #: between attempts to serve a plugin socket that failed to start
 SERVE_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
 SELF_CHECK_S = 5.0
