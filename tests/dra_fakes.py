@@ -31,6 +31,7 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.claims.driver import PrepareTimeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
@@ -281,9 +282,7 @@ class DraHarness:
             self.config,
             claims=self.claims,
             publisher=self.publisher,
-            inventory=self.inventories,
-            ownership=self.ownership,
-            health=self.health,
+            node=NodeFacts(inventory=self.inventories, health=self.health, ownership=self.ownership),
             cdi=cdi,
             registry=self.registry,
             node_name=NODE,

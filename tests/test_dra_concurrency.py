@@ -22,6 +22,7 @@ from agent.cdi.claimenv import ClaimDevices
 from agent.cdi.errors import CdiError
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore
 from agent.dra.claims.driver import DraDriver
@@ -74,9 +75,9 @@ async def scenario(claims: list[frozenset[int]], batches: int, seed: int, direct
         driver_name=DRIVER,
         pool=NODE,
         claims=source,
-        inventory=InventoryState(inventory),
-        ownership=OwnershipState(ownership_table(inventory)),
-        health=health,
+        node=NodeFacts(
+            inventory=InventoryState(inventory), health=health, ownership=OwnershipState(ownership_table(inventory))
+        ),
         cdi=cdi,  # type: ignore[arg-type]
         store=store,
         metrics=DraMetrics(CollectorRegistry()),

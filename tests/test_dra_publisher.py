@@ -20,6 +20,7 @@ from agent.core.health.model import Signal, SignalKind
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.devices import dra_devices
 from agent.dra.slices.publisher import KubeSlicePublisher
@@ -89,9 +90,7 @@ async def publishing(
             client=client,
             node_name=NODE,
             driver_name=DRIVER,
-            inventory=node.inventory,
-            ownership=node.ownership,
-            health=node.health,
+            node=NodeFacts(inventory=node.inventory, health=node.health, ownership=node.ownership),
             registry=node.registry,
             backoff=Backoff(initial_s=0.01, max_s=0.05),
             **({"sleep": sleep} if sleep else {}),

@@ -40,6 +40,7 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness, Usage
+from agent.core.node import NodeFacts
 from agent.core.ownership.handover import SETTLE_S, Handover, Observed
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.allocate import resolve_ids
@@ -129,9 +130,7 @@ class Node(RuleBasedStateMachine):
                 self.config,
                 claims=self.claims,
                 publisher=self.publisher,
-                inventory=self.inventories,
-                ownership=self.ownership,
-                health=self.health,
+                node=NodeFacts(inventory=self.inventories, health=self.health, ownership=self.ownership),
                 cdi=cdi,
                 registry=None,
                 node_name=NODE,

@@ -29,6 +29,7 @@ from agent.core.config.schema import Config, HealthConfig, NodeMatch, NodeRule, 
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.manager import PluginManager
 from agent.deviceplugin.server import DEFAULT_REGISTRATION_TIMEOUTS, RegistrationTimeouts
@@ -199,9 +200,7 @@ async def plugin_harness(
             await fake.start()
         manager = PluginManager(
             config_state=config_state,
-            inventory=inventories,
-            health=health,
-            ownership=ownership,
+            node=NodeFacts(inventory=inventories, health=health, ownership=ownership),
             cdi=cdi,
             plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,  # retries in tens of milliseconds

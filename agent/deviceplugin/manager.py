@@ -30,11 +30,9 @@ from agent.base.fswatch import RESCAN, DirectoryWatcher
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig
 from agent.core.config.schema import Owner, PluginConfig
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import NodeStatus, Readiness, RegistrationCheck, Usage
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.deviceplugin.cdinames import CdiNames
 from agent.deviceplugin.divergence import ReplicaCount, plugin_checks, replica_counts
 from agent.deviceplugin.link import KubeletLink
@@ -75,9 +73,7 @@ class PluginManager:
         self,
         *,
         config_state: ConfigState,
-        inventory: InventoryState,
-        health: HealthMonitor,
-        ownership: OwnershipState,
+        node: NodeFacts,
         cdi: CdiNames,
         plugin_dir: Path,
         registry: CollectorRegistry | None = None,
@@ -88,11 +84,11 @@ class PluginManager:
         self._config_state = config_state
         #: who holds which device, from the kubelet (None: not asked, usage unknown)
         self.pod_resources = pod_resources
-        self._inventories = inventory
+        self._inventories = node.inventory
         #: the inventory the servers' plan was built from
-        self._inventory = inventory.current
-        self._health = health
-        self._ownership = ownership
+        self._inventory = node.inventory.current
+        self._health = node.health
+        self._ownership = node.ownership
         self._cdi = cdi
         self.plugin_dir = plugin_dir
         self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET

@@ -23,9 +23,8 @@ from agent.base.backoff import Backoff
 from agent.base.errors import StartupError
 from agent.cdi.service import CdiProvider
 from agent.core.config.schema import Config, Owner
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
 from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
@@ -281,9 +280,7 @@ async def build_dra(
     *,
     claims: ClaimSource,
     publisher: SlicePublisher,
-    inventory: InventoryState,
-    ownership: OwnershipState,
-    health: HealthMonitor,
+    node: NodeFacts,
     cdi: CdiProvider,
     registry: CollectorRegistry | None,
     node_name: str,
@@ -301,9 +298,7 @@ async def build_dra(
         driver_name=driver_name,
         pool=node_name,
         claims=claims,
-        inventory=inventory,
-        ownership=ownership,
-        health=health,
+        node=node,
         cdi=cdi,
         store=CheckpointStore(config.state_dir),
         metrics=metrics,
@@ -314,9 +309,7 @@ async def build_dra(
     )
     feed = HealthFeed(
         pool=node_name,
-        inventory=inventory,
-        ownership=ownership,
-        health=health,
+        node=node,
         resend_s=tuning.health_resend_s,
         sleep=tuning.health_sleep,
     )
@@ -335,7 +328,7 @@ async def build_dra(
         feed=feed,
         registration=registration,
         publisher=publisher,
-        ownership=ownership,
+        ownership=node.ownership,
         backoff=tuning.backoff,
     )
     await mechanism._restore()  # an unreadable state directory is retried by run(), not fatal

@@ -55,10 +55,8 @@ from agent.cdi.claimenv import ClaimDevices
 from agent.cdi.errors import CdiError
 from agent.cdi.names import check_claim_uid
 from agent.cdi.service import CdiProvider
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.dra.claims.checkpoint import VERSION as CHECKPOINT_VERSION
 from agent.dra.claims.checkpoint import CheckpointError, CheckpointStore, PreparedClaim, PreparedDevice, utc_now
 from agent.dra.claims.errors import ClaimError, Reason, quote
@@ -205,9 +203,7 @@ class DraDriver:
         driver_name: str,
         pool: str,
         claims: ClaimSource,
-        inventory: InventoryState,
-        ownership: OwnershipState,
-        health: HealthMonitor,
+        node: NodeFacts,
         cdi: CdiProvider,
         store: CheckpointStore,
         metrics: DraMetrics,
@@ -220,9 +216,9 @@ class DraDriver:
         self.driver_name = driver_name
         self.pool = pool
         self._claims = claims
-        self._inventory = inventory
-        self._ownership = ownership
-        self._health = health
+        self._inventory = node.inventory
+        self._ownership = node.ownership
+        self._health = node.health
         self._cdi = cdi
         self._store = store
         self._metrics = metrics

@@ -41,10 +41,8 @@ from agent.base.backoff import Backoff
 from agent.base.feeds import Subscription
 from agent.core.config.schema import Owner
 from agent.core.health.model import HealthState
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Readiness
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.dra.devices import dra_devices
 from agent.dra.slices.codec import parse_slice, slice_body
 from agent.dra.slices.plan import (
@@ -115,9 +113,7 @@ class KubeSlicePublisher:
         client: KubeClient,
         node_name: str,
         driver_name: str,
-        inventory: InventoryState,
-        ownership: OwnershipState,
-        health: HealthMonitor,
+        node: NodeFacts,
         registry: CollectorRegistry | None = None,
         resource_api: ResourceApi | None = None,
         backoff: Backoff | None = None,
@@ -128,9 +124,9 @@ class KubeSlicePublisher:
         self._client = client
         self.node_name = node_name
         self.driver_name = driver_name
-        self._inventory = inventory
-        self._ownership = ownership
-        self._health = health
+        self._inventory = node.inventory
+        self._ownership = node.ownership
+        self._health = node.health
         self._api = resource_api or ResourceApi(client)
         self._backoff = backoff or Backoff()
         self._sleep = sleep
