@@ -123,6 +123,7 @@ class Node(RuleBasedStateMachine):
     def start_agent(self) -> None:
         """A (re)start: nothing survives from memory but what the agent re-derives."""
         self.ownership = OwnershipState()
+        self.snapshot = None  # a new process has not asked PodResources yet
         self.publisher = ModelPublisher(self.inventory, self.publisher.written)
         cdi = create_cdi_service(self.config, inventory=self.inventories)
         self.dra: DraMechanism = self.run(
