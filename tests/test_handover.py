@@ -101,6 +101,25 @@ def test_a_new_target_keeps_the_drain_and_its_start() -> None:
     assert step.draining["GPU-1"] == Drain(DP, NONE, since=1.0, waiting_for=step.draining["GPU-1"].waiting_for)
 
 
+def test_a_gpu_granted_to_nobody_still_waits_for_whoever_advertises_it() -> None:
+    """At start DRA's slices are unknown (it may list every GPU). The config gives GPU-0 to DRA (a
+    drain from the device plugin, which cannot tell yet), then to nobody: that drain completes once
+    the device plugin let go, while DRA may still list the GPU. Granting it on must wait for that."""
+    stale = frozenset({"GPU-0", "GPU-1", "GPU-2", "GPU-3"})
+    step = next_grants(desired("device-plugin"), None, {DP: seen(known=False), DRA: seen(advertised=stale)}, now=0.0)
+    assert step.state_of("GPU-0") == "draining:dra->device-plugin"
+    step = next_grants(desired("device-plugin", {"0": "dra"}), step, {DP: seen(known=False), DRA: seen()}, now=1.0)
+    assert step.state_of("GPU-0") == "draining:device-plugin->dra"
+    observed = {DP: seen(as_of=2.0), DRA: seen(advertised=stale)}
+    step = next_grants(desired("device-plugin", {"0": "none"}), step, observed, now=2.0)
+    assert step.state_of("GPU-0") == "none"
+    step = next_grants(desired("device-plugin"), step, observed, now=3.0)
+    assert step.state_of("GPU-0") == "draining:dra->device-plugin"
+    assert step.draining["GPU-0"].waiting_for == "dra still advertises it"
+    step = next_grants(desired("device-plugin"), step, {DP: seen(as_of=4.0), DRA: seen(as_of=4.0)}, now=4.0)
+    assert step.granted_to("GPU-0", DP)
+
+
 def test_maintenance_drains_then_nobody_advertises() -> None:
     before = next_grants(desired("dra"), None, {DP: seen(), DRA: seen()}, now=0.0)
     claim = Holder(kind="claim", namespace="ml", name="c", uid="u")

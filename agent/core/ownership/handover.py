@@ -88,8 +88,13 @@ def next_grants(
                 drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=drain.derived)
             elif want is not drain.target:
                 drain = replace(drain, target=want)
+        elif had is Owner.NONE and want is not Owner.NONE:
+            # granted to nobody, but a drain derived at start and retargeted to none completed
+            # when its source let go: the other mechanism may still hold or advertise it
+            holder = _first_holder(gpu, want, observed, unknown_blocks=False)
+            drain = None if holder is None else Drain(source=holder, target=want, since=now)
         elif had is not want:
-            drain = None if had is Owner.NONE else Drain(source=had, target=want, since=now)
+            drain = Drain(source=had, target=want, since=now)
         if drain is not None:
             waiting = _waiting_for(gpu, drain, observed.get(drain.source, IDLE))
             drain = None if not waiting else replace(drain, waiting_for=waiting)
