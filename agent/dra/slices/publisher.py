@@ -39,8 +39,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.base.backoff import Backoff
 from agent.base.feeds import Subscription
-from agent.core.config.schema import Owner
-from agent.core.health.model import HealthState
 from agent.core.mechanism import Readiness
 from agent.core.node import NodeFacts
 from agent.dra.devices import dra_devices
@@ -50,11 +48,11 @@ from agent.dra.slices.plan import (
     SliceDevice,
     StoredSlice,
     Taint,
+    desired_slices,
     generate_name,
     plan,
-    pool_devices,
-    split,
     taint_key,
+    unhealthy_cause,
 )
 from agent.kube.client import METADATA_ACCEPT, KubeClient
 from agent.kube.discovery import ResourceApi
@@ -318,31 +316,13 @@ class KubeSlicePublisher:
 
     def _desired(self, version: str) -> tuple[tuple[SliceDevice, ...], ...] | None:
         """The pool's slices; None when a device is unhealthy and taint support is not known yet."""
-        table = self._ownership.current
-        devices = dra_devices(self._inventory.current)
-        supported = self._taints.get(version)
-        if supported is None and any(
-            table.granted_to(d.gpu_uuid, Owner.DRA) and self._unhealthy_cause(d.uuid) is not None for d in devices
-        ):
-            return None
-        return split(
-            pool_devices(
-                devices,
-                granted=lambda gpu: table.granted_to(gpu, Owner.DRA),
-                unhealthy_cause=self._unhealthy_cause,
-                driver=self.driver_name,
-                taints=bool(supported),
-            )
+        return desired_slices(
+            dra_devices(self._inventory.current),
+            ownership=self._ownership.current,
+            health=self._health,
+            driver=self.driver_name,
+            taints=self._taints.get(version),
         )
-
-    def _unhealthy_cause(self, uuid: str) -> str | None:
-        state = self._health.state(uuid)
-        if state is HealthState.HEALTHY:
-            return None
-        if state is HealthState.UNKNOWN:
-            return "health unknown"
-        record = self._health.record(uuid)
-        return (record.cause if record else "") or "unhealthy"
 
     async def _apply(
         self, version: str, node_uid: str, current: Plan, desired: tuple[tuple[SliceDevice, ...], ...]
@@ -443,7 +423,7 @@ class KubeSlicePublisher:
     async def _probe_taints(self, version: str, node_uid: str) -> None:
         """Ask with a dry-run create whether the server keeps a device's taint."""
         probe = next(
-            (d for d in dra_devices(self._inventory.current) if self._unhealthy_cause(d.uuid) is not None), None
+            (d for d in dra_devices(self._inventory.current) if unhealthy_cause(self._health, d.uuid) is not None), None
         )
         assert probe is not None
         device = SliceDevice.of(probe, (Taint(taint_key(self.driver_name), "probe"),))
