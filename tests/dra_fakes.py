@@ -46,6 +46,7 @@ from tests._grpcio import (
     pluginregistration_v1_pb2,
     pluginregistration_v1_pb2_grpc,
 )
+from tests.test_ownership import granted_gpus
 from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
 
 NODE = "node-a"
@@ -142,7 +143,7 @@ class FakePublisher:
             self.running = False
 
     def published_gpus(self) -> frozenset[str]:
-        return self.ownership.current.gpus_granted_to(Owner.DRA)
+        return granted_gpus(self.ownership.current, Owner.DRA)
 
     def kick(self) -> None:
         self.kicks += 1

@@ -11,7 +11,7 @@ from agent.core.config.schema import Owner
 from agent.core.mechanism import Holder, Usage
 from agent.core.ownership.handover import IDLE, SETTLE_S, Handover, Observed, next_grants
 from agent.core.ownership.table import Drain, OwnershipState, OwnershipTable, compute_ownership
-from tests.test_ownership import _inventory
+from tests.test_ownership import _inventory, granted_gpus
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE
 
@@ -42,7 +42,7 @@ def seen(
 def test_start_up_grants_what_nobody_else_holds() -> None:
     table = next_grants(desired("device-plugin"), None, {DP: seen(), DRA: seen()}, now=0.0)
     assert table.draining == {}
-    assert table.gpus_granted_to(DP) == {"GPU-0", "GPU-1", "GPU-2", "GPU-3"}
+    assert granted_gpus(table, DP) == {"GPU-0", "GPU-1", "GPU-2", "GPU-3"}
     assert table.granted_to("MIG-0", DP)  # MIG devices follow the parent
 
 

@@ -56,6 +56,7 @@ from agent.dra.mechanism import DraMechanism, build_dra
 from agent.dra.slices.plan import Plan, SliceDevice, StoredSlice, desired_slices, plan
 from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import BOOT, NODE, FakeClaimSource, make_config, result
+from tests.test_ownership import granted_gpus
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE
 N_GPUS = 3
@@ -318,8 +319,8 @@ class Node(RuleBasedStateMachine):
         table = self.ownership.current
         dp = set(self.pods.values()) | {u for _, u, _ in self.pending}
         dra = set(self.prepared.values())
-        assert not {g for g in dp if not table.granted_to(g, DP)} & table.gpus_granted_to(DRA)
-        assert not {g for g in dra if not table.granted_to(g, DRA)} & table.gpus_granted_to(DP)
+        assert not {g for g in dp if not table.granted_to(g, DP)} & granted_gpus(table, DRA)
+        assert not {g for g in dra if not table.granted_to(g, DRA)} & granted_gpus(table, DP)
 
     def teardown(self) -> None:
         try:

@@ -5,7 +5,12 @@ import pytest
 from agent.core.config.loader import build_config
 from agent.core.config.schema import Owner
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
-from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
+
+
+def granted_gpus(table: OwnershipTable, owner: Owner) -> frozenset[str]:
+    """Physical GPUs (no MIG devices) granted to ``owner``."""
+    return frozenset(gpu for gpu in table.gpus() if table.granted_to(gpu, owner))
 
 
 def _inventory() -> Inventory:
@@ -103,8 +108,8 @@ def test_override_for_a_gpu_not_on_the_node_is_inert(key: str) -> None:
 def test_table_queries() -> None:
     config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"1": "dra"}}]}})
     table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v1")
-    assert table.gpus_granted_to(Owner.DRA) == {"GPU-1"}
-    assert table.gpus_granted_to(Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
+    assert granted_gpus(table, Owner.DRA) == {"GPU-1"}
+    assert granted_gpus(table, Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
     assert table.counts() == {Owner.DEVICE_PLUGIN: 3, Owner.DRA: 1, Owner.NONE: 0}
     assert table.owner_of("GPU-unknown") is Owner.NONE
     assert table.node_rule == "ownership.nodes[0]"

@@ -75,12 +75,6 @@ class OwnershipTable:
         """
         return self.owner_of(uuid) is owner and self.parents.get(uuid, uuid) not in self.draining
 
-    def gpus_granted_to(self, owner: Owner) -> frozenset[str]:
-        """Physical GPUs (no MIG devices) granted to ``owner``."""
-        return frozenset(
-            u for u, o in self.owners.items() if o is owner and u not in self.parents and u not in self.draining
-        )
-
     def state_of(self, uuid: str) -> str:
         """What /debug/state shows: the owner, or ``draining:<from>-><to>``."""
         drain = self.draining.get(self.parents.get(uuid, uuid))
