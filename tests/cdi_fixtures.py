@@ -1,4 +1,5 @@
-"""A fake NVIDIA driver root in a temporary directory, and inventories that match it.
+"""A fake NVIDIA driver root in a temporary directory, inventories that match it, and
+one-claim shorthands for the CDI service's batch calls.
 
 Device nodes are made with mknod when the test runs as root; otherwise a node becomes a
 symlink to the /dev entry with the same numbers (stat follows it), so unit tests also run
@@ -9,10 +10,14 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agent.backends import ldcache
+from agent.cdi.claimenv import ClaimDevices
+from agent.cdi.errors import CdiError
+from agent.cdi.service import CdiProvider
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 VERSION = "550.54.15"
@@ -206,3 +211,21 @@ def fake_hook(
     hook.write_text(f"#!/bin/sh\n{known}{body}exit 0\n")
     hook.chmod(0o755)
     return hook
+
+
+async def prepare_claim(
+    cdi: CdiProvider, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
+) -> list[str]:
+    """One claim's spec through :meth:`CdiProvider.prepare_claims`: its qualified names, or its error raised."""
+    claim = ClaimDevices(devices=tuple(devices), env={k: tuple(v) for k, v in (env or {}).items()})
+    outcome = (await cdi.prepare_claims({claim_uid: claim}))[claim_uid]
+    if isinstance(outcome, CdiError):
+        raise outcome
+    return outcome
+
+
+async def unprepare_claim(cdi: CdiProvider, claim_uid: str) -> None:
+    """One claim's spec removed through :meth:`CdiProvider.unprepare_claims`; its error raised."""
+    error = (await cdi.unprepare_claims([claim_uid]))[claim_uid]
+    if error is not None:
+        raise error

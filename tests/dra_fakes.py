@@ -31,8 +31,9 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
-from agent.dra.claims.driver import Timeouts
+from agent.dra.claims.driver import PrepareTimeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
 from agent.kube.claims.model import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
 from agent.kube.errors import KubeError
@@ -45,12 +46,13 @@ from tests._grpcio import (
     pluginregistration_v1_pb2,
     pluginregistration_v1_pb2_grpc,
 )
+from tests.test_ownership import granted_gpus
 from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
 
 NODE = "node-a"
 DRIVER = "gpu-node-agent.nvidia.com"
 BOOT = "boot-1"
-FAST = DraTuning(timeouts=Timeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
+FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
 HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
 
 
@@ -141,7 +143,7 @@ class FakePublisher:
             self.running = False
 
     def published_gpus(self) -> frozenset[str]:
-        return self.ownership.current.gpus_granted_to(Owner.DRA)
+        return granted_gpus(self.ownership.current, Owner.DRA)
 
     def kick(self) -> None:
         self.kicks += 1
@@ -281,9 +283,7 @@ class DraHarness:
             self.config,
             claims=self.claims,
             publisher=self.publisher,
-            inventory=self.inventories,
-            ownership=self.ownership,
-            health=self.health,
+            node=NodeFacts(inventory=self.inventories, health=self.health, ownership=self.ownership),
             cdi=cdi,
             registry=self.registry,
             node_name=NODE,

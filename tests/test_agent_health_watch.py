@@ -15,6 +15,7 @@ from agent.core.config.loader import load_config
 from agent.core.config.schema import HealthConfig
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.runtime.assemble import build_agent
 from tests.test_plugin_fakes import wait_for
@@ -30,9 +31,7 @@ async def test_injections_never_fail_while_the_watch_moves_to_a_new_inventory() 
         config_state=ConfigState(load_config(None)),
         node_name="n",
         backend=backend,
-        inventory=InventoryState(inventory),
-        health=monitor,
-        ownership=OwnershipState(),
+        node=NodeFacts(inventory=InventoryState(inventory), health=monitor, ownership=OwnershipState()),
         cdi=NullCdiService(),
         mechanisms={},
         registry=CollectorRegistry(),

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from agent.cdi import spec as s
 from agent.cdi.claimenv import ClaimDevices, as_claim_devices
 from agent.cdi.errors import CdiError, InvalidNameError, InvalidSpecError, SpecConflictError
-from tests.cdi_fixtures import FakeDriver, inventory
+from tests.cdi_fixtures import FakeDriver, inventory, prepare_claim
 from tests.test_cdi_service import CLAIM_FILE, UID, load, make_service
 
 
@@ -22,7 +22,7 @@ def driver(tmp_path: Path) -> FakeDriver:
 async def test_env_goes_to_the_claimed_device_only(tmp_path: Path, driver: FakeDriver) -> None:
     service = make_service(tmp_path, driver, CollectorRegistry())
     g0, g1 = inventory(2).gpus
-    names = await service.prepare_claim(UID, [g0.uuid, g1.uuid], env={g1.uuid: ["A=1", "B=two words"]})
+    names = await prepare_claim(service, UID, [g0.uuid, g1.uuid], env={g1.uuid: ["A=1", "B=two words"]})
     spec = load(tmp_path / "cdi" / CLAIM_FILE)
     assert s.validate(spec) == [] and spec.qualified_names() == tuple(names)
     assert "A=1" not in spec.devices[0].container_edits.env
@@ -34,7 +34,7 @@ async def test_reconciler_keeps_the_env_and_recreates_it(tmp_path: Path, driver:
     g0 = inventory(2).gpus[0]
     checkpoint = {UID: ClaimDevices(devices=(g0.uuid,), env={g0.uuid: ("A=1",)})}
     service.set_prepared_claims(lambda: checkpoint)
-    await service.prepare_claim(UID, [g0.uuid], env={g0.uuid: ["A=1"]})
+    await prepare_claim(service, UID, [g0.uuid], env={g0.uuid: ["A=1"]})
     before = (tmp_path / "cdi" / CLAIM_FILE).read_bytes()
     report = await service.reconcile_once()
     assert report.errors == () and [r for r in report.repairs if r.file == CLAIM_FILE] == []
@@ -47,11 +47,11 @@ async def test_reconciler_keeps_the_env_and_recreates_it(tmp_path: Path, driver:
 async def test_entries_the_device_already_has_are_not_repeated(tmp_path: Path, driver: FakeDriver) -> None:
     service = make_service(tmp_path, driver, CollectorRegistry())
     g0 = inventory(2).gpus[0]
-    await service.prepare_claim(UID, [g0.uuid], env={g0.uuid: ["A=1"]})
+    await prepare_claim(service, UID, [g0.uuid], env={g0.uuid: ["A=1"]})
     on_disk = load(tmp_path / "cdi" / CLAIM_FILE).devices[0].container_edits.env
     # what a rebuild reads back from disk (driver entries included) writes the same file
     before = (tmp_path / "cdi" / CLAIM_FILE).read_bytes()
-    await service.prepare_claim(UID, [g0.uuid], env={g0.uuid: list(on_disk)})
+    await prepare_claim(service, UID, [g0.uuid], env={g0.uuid: list(on_disk)})
     assert (tmp_path / "cdi" / CLAIM_FILE).read_bytes() == before
 
 
@@ -59,7 +59,7 @@ async def test_invalid_entry_is_a_cdi_error_and_writes_nothing(tmp_path: Path, d
     service = make_service(tmp_path, driver, CollectorRegistry())
     g0 = inventory(2).gpus[0]
     with pytest.raises(InvalidSpecError, match="invalid environment variable"):
-        await service.prepare_claim(UID, [g0.uuid], env={g0.uuid: ["=nope"]})
+        await prepare_claim(service, UID, [g0.uuid], env={g0.uuid: ["=nope"]})
     assert not (tmp_path / "cdi" / CLAIM_FILE).exists()
 
 
@@ -103,7 +103,7 @@ async def test_a_batch_writes_every_claim_and_fails_per_claim(tmp_path: Path, dr
 async def test_the_conflict_check_rereads_a_file_that_changed(tmp_path: Path, driver: FakeDriver) -> None:
     service = make_service(tmp_path, driver, CollectorRegistry())
     g0, g1 = inventory(2).gpus
-    await service.prepare_claim(UID, [g0.uuid])  # the directory's files are now known
+    await prepare_claim(service, UID, [g0.uuid])  # the directory's files are now known
     foreign = tmp_path / "cdi" / "someone.json"
     other = "0e3f1a2b-aaaa-bbbb-cccc-000000000002"
     spec = s.Spec.at_minimum_version(
@@ -111,10 +111,10 @@ async def test_the_conflict_check_rereads_a_file_that_changed(tmp_path: Path, dr
         devices=(s.Device(f"{other}-{g1.uuid}", s.ContainerEdits(env=("X=1",))),),
     )
     foreign.write_text(s.dumps(replace_name(spec, "unrelated")))
-    await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000003", [g1.uuid])  # reads and caches it
+    await prepare_claim(service, "0e3f1a2b-aaaa-bbbb-cccc-000000000003", [g1.uuid])  # reads and caches it
     foreign.write_text(s.dumps(spec))  # edited in place: now it defines the next claim's name
     with pytest.raises(SpecConflictError, match=r"someone\.json already defines"):
-        await service.prepare_claim(other, [g1.uuid])
+        await prepare_claim(service, other, [g1.uuid])
 
 
 def replace_name(spec: s.Spec, name: str) -> s.Spec:

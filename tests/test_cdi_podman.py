@@ -29,10 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from agent.cdi.names import qualified_name
 from agent.cdi.service import CdiService
 from agent.core.config.schema import CdiConfig
 from agent.core.inventory.current import InventoryState
-from tests.cdi_fixtures import CURRENT_SUBCOMMANDS, LIB_DIR, VERSION, FakeDriver, fake_hook, inventory
+from tests.cdi_fixtures import CURRENT_SUBCOMMANDS, LIB_DIR, VERSION, FakeDriver, fake_hook, inventory, prepare_claim
 
 pytestmark = pytest.mark.podman
 
@@ -168,7 +169,7 @@ async def test_podman_runs_devices_from_agent_specs(podman: Podman, tmp_path: Pa
         sysfs_root=sysfs,
     )
     await service.ensure_device_plugin_spec()
-    claim_names = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
+    claim_names = await prepare_claim(service, "0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
     gpu0 = service.device_name(inventory(2).gpus[0].uuid)
     timings: dict[str, float] = {}
 
@@ -213,18 +214,18 @@ async def test_podman_runs_simulated_devices(podman: Podman, tmp_path: Path) -> 
     service = CdiService(config=CdiConfig(), cdi_root=cdi_dir, driver_root=empty_root, inventory=InventoryState(inv))
     await service.ensure_device_plugin_spec()
     g0, g1 = inv.gpus
-    claim = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000002", [g0.uuid])
+    claim = await prepare_claim(service, "0e3f1a2b-aaaa-bbbb-cccc-000000000002", [g0.uuid])
     assert service.debug_state()["driver_mode"] == "simulated"
 
     cases = {
         "by uuid": ([service.device_name(g1.uuid)], [f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"]),
-        "by index": ([service.index_device_name("0")], [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}"]),
+        "by index": ([qualified_name(CdiConfig().device_plugin_kind, "0")], [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}"]),
         "two devices": (
-            [service.device_name(g0.uuid), service.index_device_name("1")],
+            [service.device_name(g0.uuid), qualified_name(CdiConfig().device_plugin_kind, "1")],
             [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}", f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"],
         ),
         "all": (
-            [service.index_device_name("all")],
+            [qualified_name(CdiConfig().device_plugin_kind, "all")],
             [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}", f"GPU_AGENT_SIMULATED_GPU_1={g1.uuid}"],
         ),
         "claim": (claim, [f"GPU_AGENT_SIMULATED_GPU_0={g0.uuid}"]),

@@ -25,7 +25,7 @@ from agent.cdi.service import CdiService, create_cdi_service
 from agent.core.config.loader import build_config, env_overrides
 from agent.core.config.schema import CdiConfig
 from agent.core.inventory.current import InventoryState
-from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory, mig, node_numbers
+from tests.cdi_fixtures import LIB_DIR, VERSION, FakeDriver, fake_hook, inventory, mig, node_numbers, prepare_claim
 
 KIND = "k8s.gpu-node-agent.nvidia.com/gpu"
 DP_FILE = "k8s.gpu-node-agent.nvidia.com-gpu.json"
@@ -228,7 +228,7 @@ async def test_service_writes_host_paths_and_reconciles_without_drift(
         hook_candidates=[],
     )
     await service.ensure_device_plugin_spec()
-    names = await service.prepare_claim("0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
+    names = await prepare_claim(service, "0e3f1a2b-aaaa-bbbb-cccc-000000000001", [inventory(2).gpus[0].uuid])
     assert names
     for path in sorted((tmp_path / "cdi").iterdir()):
         spec = s.loads(path.read_text())

@@ -17,7 +17,7 @@ from agent.cdi.service import CdiService, NullCdiService, create_cdi_service
 from agent.core.config.loader import build_config
 from agent.core.config.schema import CdiConfig
 from agent.core.inventory.current import InventoryState
-from tests.cdi_fixtures import LIB_DIR, NEW_VERSION, VERSION, FakeDriver, inventory, mig
+from tests.cdi_fixtures import LIB_DIR, NEW_VERSION, VERSION, FakeDriver, inventory, mig, prepare_claim, unprepare_claim
 
 DP_FILE = "k8s.gpu-node-agent.nvidia.com-gpu.json"
 UID = "0e3f1a2b-aaaa-bbbb-cccc-000000000001"
@@ -72,13 +72,9 @@ async def test_ensure_writes_the_device_plugin_spec(
     assert s.validate(spec) == [] and spec.version == s.minimum_version(spec) == "0.5.0"
     g0 = inventory(2).gpus[0]
     assert service.device_name(g0.uuid) == f"k8s.gpu-node-agent.nvidia.com/gpu={g0.uuid}"
-    assert service.index_device_name("1") == "k8s.gpu-node-agent.nvidia.com/gpu=1"
-    assert service.index_device_name("all") == "k8s.gpu-node-agent.nvidia.com/gpu=all"
     assert {service.device_name(g0.uuid).partition("=")[2], "0", "all"} <= set(spec.device_names)
     with pytest.raises(UnknownCdiDeviceError):
         service.device_name("GPU-unknown")
-    with pytest.raises(KeyError):  # callers may treat it as a lookup miss
-        service.index_device_name("7")
 
 
 async def test_node_without_gpus_writes_nothing(tmp_path: Path, registry: CollectorRegistry) -> None:
@@ -112,14 +108,14 @@ async def test_missing_driver_root_is_a_clear_error_and_keeps_files(
 async def test_prepare_and_unprepare_claim(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> None:
     service = make_service(tmp_path, driver, registry)
     g1 = inventory(2).gpus[1]
-    names = await service.prepare_claim(UID, [g1.uuid])
+    names = await prepare_claim(service, UID, [g1.uuid])
     assert names == [f"k8s.gpu-node-agent.nvidia.com/claim={UID}-{g1.uuid}"]
-    assert await service.prepare_claim(UID, [g1.uuid]) == names  # idempotent
+    assert await prepare_claim(service, UID, [g1.uuid]) == names  # idempotent
     spec = load(tmp_path / "cdi" / CLAIM_FILE)
     assert s.validate(spec) == [] and spec.qualified_names() == tuple(names)
     assert [n.path for n in spec.devices[0].container_edits.device_nodes] == ["/dev/nvidia1"]
-    await service.unprepare_claim(UID)
-    await service.unprepare_claim(UID)
+    await unprepare_claim(service, UID)
+    await unprepare_claim(service, UID)
     assert not (tmp_path / "cdi" / CLAIM_FILE).exists()
 
 
@@ -129,9 +125,9 @@ async def test_bad_claim_uid_is_rejected_before_any_io(
 ) -> None:
     service = make_service(tmp_path, driver, registry)
     with pytest.raises(InvalidNameError, match="cannot be used in a CDI name"):
-        await service.prepare_claim(uid, [inventory(2).gpus[0].uuid])
+        await prepare_claim(service, uid, [inventory(2).gpus[0].uuid])
     with pytest.raises(InvalidNameError):
-        await service.unprepare_claim(uid)
+        await unprepare_claim(service, uid)
     assert not (tmp_path / "cdi").exists()
 
 
@@ -205,7 +201,7 @@ EXPECTED_ACTION = {"deleted": "created", "orphan": "deleted"}
 @pytest.fixture
 async def service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> CdiService:
     service = make_service(tmp_path, driver, registry)
-    await service.prepare_claim(UID, [inventory(2).gpus[0].uuid])
+    await prepare_claim(service, UID, [inventory(2).gpus[0].uuid])
     await service.reconcile_once()
     assert sorted(service.debug_state()["files"]) == sorted([DP_FILE, CLAIM_FILE])  # type: ignore[type-var]
     return service
@@ -417,7 +413,6 @@ async def test_mig_reconfiguration(service: CdiService, tmp_path: Path) -> None:
     service.inventories.update(with_mig)
     await service.reconcile_once()
     assert "1:0" in load(tmp_path / "cdi" / DP_FILE).device_names
-    assert service.index_device_name("1:0") == "k8s.gpu-node-agent.nvidia.com/gpu=1:0"
     m = with_mig.gpus[1].mig_devices[0]
     assert service.device_name(m.uuid) == f"k8s.gpu-node-agent.nvidia.com/gpu={m.uuid}"
 
@@ -428,7 +423,7 @@ async def test_external_prepared_claims_source(tmp_path: Path, driver: FakeDrive
     service.set_prepared_claims(lambda: checkpoint)
     await service.reconcile_once()  # e.g. after a reboot emptied the tmpfs: re-created from the checkpoint
     assert (tmp_path / "cdi" / CLAIM_FILE).exists()
-    await service.unprepare_claim(UID)
+    await unprepare_claim(service, UID)
     await service.reconcile_once()  # the checkpoint still lists it for a moment: stays gone
     assert not (tmp_path / "cdi" / CLAIM_FILE).exists()
     checkpoint.clear()
@@ -455,8 +450,8 @@ async def test_null_service() -> None:
     await null.ensure_device_plugin_spec()
     # a claim prepared without CDI would start its containers without their GPUs: refused, clearly
     with pytest.raises(CdiError, match=r"CDI is disabled \(cdi.enabled: false\)"):
-        await null.prepare_claim(UID, ["x"])
-    await null.unprepare_claim(UID)
+        await prepare_claim(null, UID, ["x"])
+    await unprepare_claim(null, UID)
     assert null.last_pass_ok() == (True, "")
     with pytest.raises(UnknownCdiDeviceError):
         null.device_name(inventory(1).gpus[0].uuid)
@@ -484,14 +479,14 @@ async def test_a_skipped_gpu_takes_its_mig_devices_and_all_with_it(tmp_path: Pat
     spec = load(tmp_path / "cdi" / DP_FILE)
     defined = {d.name for d in spec.devices}
     mig_uuid = inv.gpus[0].mig_devices[0].uuid
-    for ask in (lambda: service.device_name(mig_uuid), lambda: service.index_device_name("0:0")):
-        with pytest.raises(UnknownCdiDeviceError, match="left out of the CDI spec"):
-            ask()
+    with pytest.raises(UnknownCdiDeviceError, match="left out of the CDI spec"):
+        service.device_name(mig_uuid)
     assert service.device_name(inv.gpus[1].uuid).partition("=")[2] in defined
-    assert service.index_device_name("all").partition("=")[2] in defined
 
 
-async def test_all_names_nothing_when_every_gpu_is_skipped(tmp_path: Path, registry: CollectorRegistry) -> None:
+async def test_a_spec_that_would_leave_out_every_gpu_is_not_written(
+    tmp_path: Path, registry: CollectorRegistry
+) -> None:
     driver = FakeDriver(tmp_path / "driver", gpu_minors=()).build()
     service = CdiService(
         config=CdiConfig(),
@@ -503,8 +498,7 @@ async def test_all_names_nothing_when_every_gpu_is_skipped(tmp_path: Path, regis
     )
     with pytest.raises(DriverDiscoveryError):
         await service.ensure_device_plugin_spec()
-    with pytest.raises(UnknownCdiDeviceError, match="'all' names nothing"):
-        service.index_device_name("all")
+    assert not (tmp_path / "cdi" / DP_FILE).exists()
 
 
 async def test_foreign_files_sharing_our_name_prefix_are_left_alone(service: CdiService, tmp_path: Path) -> None:

@@ -64,13 +64,12 @@ def test_kind_rule(kind: str, ok: bool) -> None:
             names.split_kind(kind)
 
 
-def test_qualified_names_round_trip() -> None:
+def test_qualified_names() -> None:
     q = names.qualified_name("k8s.gpu-node-agent.nvidia.com/gpu", "GPU-1")
     assert q == "k8s.gpu-node-agent.nvidia.com/gpu=GPU-1"
-    assert names.parse_qualified_name(q) == ("k8s.gpu-node-agent.nvidia.com", "gpu", "GPU-1")
-    for bad in ("/dev/nvidia0", "vendor/gpu", "vendor/gpu=", "vendor/gpu=a b"):
+    for kind, name in (("/dev/nvidia0", "x"), ("vendor", "x"), ("vendor/gpu", ""), ("vendor/gpu", "a b")):
         with pytest.raises(InvalidNameError):
-            names.parse_qualified_name(bad)
+            names.qualified_name(kind, name)
 
 
 def test_file_names_and_claim_uids() -> None:

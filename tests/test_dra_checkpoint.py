@@ -19,6 +19,7 @@ from agent.dra.claims.checkpoint import (
     encode,
     read_boot_id,
 )
+from tests.disk_ops import record_disk_ops
 
 NOW = "2026-12-01T10:00:00.000Z"
 
@@ -114,13 +115,35 @@ def test_two_corrupt_files_in_the_same_millisecond_both_survive(tmp_path: Path) 
     assert len(list(tmp_path.glob(f"{FILE_NAME}.corrupt-*"))) == 2
 
 
-def test_a_crashed_write_leaves_the_old_checkpoint_and_its_temp_file_is_removed(tmp_path: Path) -> None:
+class _Crash(BaseException):
+    """The process dies: no cleanup runs."""
+
+
+def test_a_crashed_write_leaves_the_old_checkpoint_and_its_temp_file_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     s = store(tmp_path)
     s.write([claim("old")], boot_id="b")
-    tmp = s._write_temp(encode([claim("new")], boot_id="b", written_at=NOW))  # the crash: no rename
-    assert tmp.exists() and tmp.name.startswith(".")
+
+    def crash(*args: object, **kwargs: object) -> None:
+        raise _Crash
+
+    monkeypatch.setattr(os, "rename", crash)
+    with pytest.raises(_Crash):
+        s.write([claim("new")], boot_id="b")
+    monkeypatch.undo()
+    (tmp,) = (p for p in tmp_path.iterdir() if p.name != FILE_NAME)
+    assert tmp.name.startswith(".")
     loaded = s.load()
     assert set(loaded.claims) == {"old"} and not tmp.exists()
+
+
+def test_a_write_is_durable_before_it_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data reaches the disk before the rename publishes it, and the rename before the write returns."""
+    s = store(tmp_path / "state")
+    ops = record_disk_ops(monkeypatch, tmp_path)
+    s.write([claim()], boot_id="b")
+    assert ops == [("write", FILE_NAME), ("fsync-file", FILE_NAME), ("rename", FILE_NAME), ("fsync-dir", "state")]
 
 
 def test_a_write_that_cannot_happen_is_a_checkpoint_error(tmp_path: Path) -> None:

@@ -22,9 +22,12 @@ from agent.cdi.claimenv import ClaimDevices
 from agent.cdi.errors import CdiError
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore
 from agent.dra.claims.driver import DraDriver
+from agent.dra.claims.prepared import PreparedClaims
+from agent.dra.claims.specwriter import ClaimSpecWriter
 from agent.dra.metrics import DraMetrics
 from agent.kube.claims.model import ClaimRef, ResourceClaim
 from tests.dra_fakes import DRIVER, HEALTH, NODE, FakeClaimSource, ownership_table, result
@@ -70,17 +73,17 @@ async def scenario(claims: list[frozenset[int]], batches: int, seed: int, direct
     source = YieldingClaims(rng)
     cdi = YieldingCdi(rng)
     store = CheckpointStore(directory)
+    metrics = DraMetrics(CollectorRegistry())
     driver = DraDriver(
         driver_name=DRIVER,
         pool=NODE,
         claims=source,
-        inventory=InventoryState(inventory),
-        ownership=OwnershipState(ownership_table(inventory)),
-        health=health,
-        cdi=cdi,  # type: ignore[arg-type]
-        store=store,
-        metrics=DraMetrics(CollectorRegistry()),
-        boot_id="b",
+        node=NodeFacts(
+            inventory=InventoryState(inventory), health=health, ownership=OwnershipState(ownership_table(inventory))
+        ),
+        prepared=PreparedClaims(store, boot_id="b", metrics=metrics),
+        specs=ClaimSpecWriter(cdi),  # type: ignore[arg-type]
+        metrics=metrics,
     )
     refs = [
         source.add(f"c{i}", *(result(f"gpu-{g}", request=f"r{g}") for g in sorted(gpus)))

@@ -13,6 +13,7 @@ from agent.cdi import spec as cdi_spec
 from agent.core.config.schema import Owner
 from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import DRIVER, NODE, DraHarness, answer, dra_harness, gpu_config, opaque, result
+from tests.test_ownership import granted_gpus
 from tests.test_plugin_fakes import wait_for
 
 pytestmark = pytest.mark.integration
@@ -290,7 +291,7 @@ async def test_debug_state_and_usage_show_claims_per_gpu(h: DraHarness) -> None:
     assert state["claims_by_gpu"][h.gpu(2)][0]["since"] == holder.since  # type: ignore[index]
     assert state["checkpoint"]["path"] == str(h.checkpoint)  # type: ignore[index]
     assert state["driver"] == DRIVER and state["pool"] == NODE
-    assert h.m.advertised_gpus() == h.ownership.current.gpus_granted_to(Owner.DRA)
+    assert h.m.advertised_gpus() == granted_gpus(h.ownership.current, Owner.DRA)
 
 
 async def test_a_kubelet_that_gives_up_mid_prepare_gets_the_stored_answer_on_retry(h: DraHarness) -> None:

@@ -20,9 +20,10 @@ from agent.core.health.model import Signal, SignalKind
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.devices import dra_devices
-from agent.dra.slices.publisher import SlicePublisher
+from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
@@ -83,15 +84,13 @@ async def publishing(
     *,
     limits: Limits | None = None,
     sleep: Any = None,
-) -> AsyncIterator[SlicePublisher]:
+) -> AsyncIterator[KubeSlicePublisher]:
     async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url)), limits=limits) as client:
-        publisher = SlicePublisher(
+        publisher = KubeSlicePublisher(
             client=client,
             node_name=NODE,
             driver_name=DRIVER,
-            inventory=node.inventory,
-            ownership=node.ownership,
-            health=node.health,
+            node=NodeFacts(inventory=node.inventory, health=node.health, ownership=node.ownership),
             registry=node.registry,
             backoff=Backoff(initial_s=0.01, max_s=0.05),
             **({"sleep": sleep} if sleep else {}),
@@ -112,7 +111,7 @@ def _generations(api: FakeApiServer) -> set[int]:
     return {s["spec"]["pool"]["generation"] for s in api.slices_of()}
 
 
-async def _published(api: FakeApiServer, publisher: SlicePublisher, names: list[str]) -> None:
+async def _published(api: FakeApiServer, publisher: KubeSlicePublisher, names: list[str]) -> None:
     await until(lambda: sorted(_devices(api)) == sorted(names) and publisher.readiness().ok, f"published {names}")
 
 

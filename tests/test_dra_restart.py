@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agent.dra import mechanism as dra_mechanism
-from agent.dra.claims.checkpoint import CheckpointError, CheckpointStore
+from agent.dra.claims.checkpoint import FILE_NAME, CheckpointError, CheckpointStore
 from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
 from tests.test_plugin_fakes import wait_for
@@ -172,23 +173,21 @@ def _hook_cdi(h: DraHarness, gate: Gate) -> None:
     h.cdi.prepare_claims = prepare_claims  # type: ignore[method-assign]
 
 
-def _hook_store(name: str, after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before or after one step of the checkpoint write (in its worker thread)."""
-    real = getattr(CheckpointStore, name)
+def _hook_checkpoint_rename(after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before or after the rename that publishes a checkpoint write (in its worker thread)."""
+    real = os.rename
 
-    def step(self: CheckpointStore, *args: Any) -> Any:
+    def rename(src: Any, dst: Any, **kwargs: Any) -> None:
+        if Path(dst).name != FILE_NAME:
+            return real(src, dst, **kwargs)
         if not after:
             gate.hold()
-            raise SystemExit("crashed")  # the step never happens
-        out = real(self, *args)
+            raise SystemExit("crashed")  # the rename never happens
+        real(src, dst, **kwargs)
         gate.hold()
-        return out
+        return None
 
-    class Crashing(CheckpointStore):
-        pass
-
-    setattr(Crashing, name, step)
-    monkeypatch.setattr(dra_mechanism, "CheckpointStore", Crashing)
+    monkeypatch.setattr(os, "rename", rename)
 
 
 @pytest.mark.parametrize("point", ["after-cdi-write", "before-rename", "after-rename"])
@@ -201,8 +200,7 @@ async def test_a_crash_mid_batch_leaves_no_orphan_or_missing_spec(
     if point == "after-cdi-write":
         _hook_cdi(h, gate)
     else:
-        _hook_store("_commit", point == "after-rename", gate, monkeypatch)
-        await h.restart()  # a mechanism whose store stops at that point
+        _hook_checkpoint_rename(point == "after-rename", gate, monkeypatch)
     call = asyncio.create_task(h.prepare(*refs))
     await wait_for(gate.reached.is_set, what=f"the batch reaching {point}")
     await h.stop()  # the agent dies with the batch half done

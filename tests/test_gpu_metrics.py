@@ -23,6 +23,7 @@ from agent.core.health.model import Signal, SignalKind
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.observe.metrics.gpus import GpuCollector
 from agent.runtime.agent import Agent
@@ -93,9 +94,11 @@ async def node() -> Iterator[Node]:
         config_state=ConfigState(LoadedConfig(config=config, version="t", source="test")),
         node_name="n",
         backend=backend,
-        inventory=InventoryState(inventory),
-        health=monitor,
-        ownership=OwnershipState(ownership_for(inventory, {"7": Owner.DRA})),
+        node=NodeFacts(
+            inventory=InventoryState(inventory),
+            health=monitor,
+            ownership=OwnershipState(ownership_for(inventory, {"7": Owner.DRA})),
+        ),
         cdi=NullCdiService(),
         mechanisms={"device-plugin": plugin, "dra": dra},  # type: ignore[dict-item]
         registry=registry,
@@ -146,9 +149,7 @@ def test_a_claim_gets_one_holder_series_per_pod_it_is_reserved_for(node: Node) -
     node.dra.holders = {node.uuids[7]: (Holder("claim", "ml", "shared", uid="c-uid"),)}
     pods = {("ml", "shared", "c-uid"): (("a", "uid-a"), ("b", "uid-b"))}
     collector = GpuCollector(
-        inventory=node.agent.inventories,
-        health=node.agent.health,
-        ownership=node.agent.ownership,
+        node=NodeFacts(inventory=node.agent.inventories, health=node.agent.health, ownership=node.agent.ownership),
         mechanisms=node.agent.mechanisms,
         utilization=node.agent.observers.utilization,
         config=node.agent.config_state,

@@ -11,7 +11,7 @@ from agent.core.config.schema import Owner
 from agent.core.mechanism import Holder, Usage
 from agent.core.ownership.handover import IDLE, SETTLE_S, Handover, Observed, next_grants
 from agent.core.ownership.table import Drain, OwnershipState, OwnershipTable, compute_ownership
-from tests.test_ownership import _inventory
+from tests.test_ownership import _inventory, granted_gpus
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE
 
@@ -42,7 +42,7 @@ def seen(
 def test_start_up_grants_what_nobody_else_holds() -> None:
     table = next_grants(desired("device-plugin"), None, {DP: seen(), DRA: seen()}, now=0.0)
     assert table.draining == {}
-    assert table.gpus_granted_to(DP) == {"GPU-0", "GPU-1", "GPU-2", "GPU-3"}
+    assert granted_gpus(table, DP) == {"GPU-0", "GPU-1", "GPU-2", "GPU-3"}
     assert table.granted_to("MIG-0", DP)  # MIG devices follow the parent
 
 
@@ -99,6 +99,25 @@ def test_a_new_target_keeps_the_drain_and_its_start() -> None:
     step = next_grants(desired("device-plugin", {"1": "dra"}), before, busy, now=1.0)
     step = next_grants(desired("device-plugin", {"1": "none"}), step, busy, now=2.0)
     assert step.draining["GPU-1"] == Drain(DP, NONE, since=1.0, waiting_for=step.draining["GPU-1"].waiting_for)
+
+
+def test_a_gpu_granted_to_nobody_still_waits_for_whoever_advertises_it() -> None:
+    """At start DRA's slices are unknown (it may list every GPU). The config gives GPU-0 to DRA (a
+    drain from the device plugin, which cannot tell yet), then to nobody: that drain completes once
+    the device plugin let go, while DRA may still list the GPU. Granting it on must wait for that."""
+    stale = frozenset({"GPU-0", "GPU-1", "GPU-2", "GPU-3"})
+    step = next_grants(desired("device-plugin"), None, {DP: seen(known=False), DRA: seen(advertised=stale)}, now=0.0)
+    assert step.state_of("GPU-0") == "draining:dra->device-plugin"
+    step = next_grants(desired("device-plugin", {"0": "dra"}), step, {DP: seen(known=False), DRA: seen()}, now=1.0)
+    assert step.state_of("GPU-0") == "draining:device-plugin->dra"
+    observed = {DP: seen(as_of=2.0), DRA: seen(advertised=stale)}
+    step = next_grants(desired("device-plugin", {"0": "none"}), step, observed, now=2.0)
+    assert step.state_of("GPU-0") == "none"
+    step = next_grants(desired("device-plugin"), step, observed, now=3.0)
+    assert step.state_of("GPU-0") == "draining:dra->device-plugin"
+    assert step.draining["GPU-0"].waiting_for == "dra still advertises it"
+    step = next_grants(desired("device-plugin"), step, {DP: seen(as_of=4.0), DRA: seen(as_of=4.0)}, now=4.0)
+    assert step.granted_to("GPU-0", DP)
 
 
 def test_maintenance_drains_then_nobody_advertises() -> None:
@@ -195,15 +214,20 @@ def test_handover_publishes_grants_and_tells_its_listener() -> None:
 
 
 def test_an_index_override_that_now_names_another_gpu_is_reported() -> None:
+    """GPU-1 falls off the bus and NVML renumbers the rest: index 2 is GPU-3 now."""
     from dataclasses import replace
 
     recorder = Recorder()
     handover = Handover(ownership=OwnershipState(), observe={}, listener=recorder)
-    handover.set_desired(desired("device-plugin", {"3": "dra"}))
-    table = desired("device-plugin", {"3": "dra"})
-    renumbered = replace(table, rules={**table.rules, "GPU-2": "ownership.nodes[0].gpus['3']", "GPU-3": "x"})
+    handover.set_desired(desired("device-plugin", {"2": "dra"}))
+    inventory = _inventory()
+    left = tuple(replace(g, index=i) for i, g in enumerate(g for g in inventory.gpus if g.uuid != "GPU-1"))
+    config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"2": "dra"}}]}})
+    renumbered = compute_ownership(
+        replace(inventory, gpus=left), config.ownership, node_name="n1", node_labels={}, version="v2"
+    )
     handover.set_desired(renumbered)
-    assert recorder.events == [("index", "ownership.nodes[0].gpus['3']", "GPU-3", "GPU-2")]
+    assert recorder.events == [("index", "ownership.nodes[0].gpus['2']", "GPU-2", "GPU-3")]
 
 
 @pytest.mark.parametrize("owner", [DP, DRA])

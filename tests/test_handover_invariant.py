@@ -6,13 +6,16 @@ its users are gone.
 
 The machine drives the real pieces that decide — :class:`~agent.core.ownership.handover.Handover`, the plugin's
 ``advertised``/``resolve_ids`` (what ListAndWatch lists and Allocate accepts), the PodResources
-mapping, and the real DRA driver with its checkpoint and CDI specs on disk — through the
+mapping, the real slice planning (:func:`~agent.dra.slices.plan.desired_slices` and
+:func:`~agent.dra.slices.plan.plan`: which devices the pool holds, and the writes that get the
+API there), and the real DRA driver with its checkpoint and CDI specs on disk — through the
 kubelet's and the scheduler's moves, with their real constraints:
 
 * the kubelet allocates only devices ListAndWatch lists, and PodResources shows an allocation
   a moment after Allocate answered (well inside the handover's settle window);
 * the scheduler allocates only devices of slices the API has; a slice write is attempted, then
-  succeeds (or not yet); ``published_gpus`` covers attempted and written;
+  succeeds (or not yet); ``published_gpus`` covers attempted and written (only the API's
+  side is modelled: a cluster that keeps no device taints, writes that succeed whole);
 * PodResources may be down; the agent may restart at any point (grants derived afresh, the DRA
   checkpoint restored, the publisher not trusting slices until it has listed them) — a restart
   takes longer than the kubelet takes to record an allocation it already had the answer for.
@@ -40,6 +43,7 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness, Usage
+from agent.core.node import NodeFacts
 from agent.core.ownership.handover import SETTLE_S, Handover, Observed
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.allocate import resolve_ids
@@ -49,29 +53,40 @@ from agent.deviceplugin.resources import advertised, plan_resources
 from agent.deviceplugin.usage import device_usage
 from agent.dra.devices import dra_devices
 from agent.dra.mechanism import DraMechanism, build_dra
+from agent.dra.slices.plan import Plan, SliceDevice, StoredSlice, desired_slices, plan
 from agent.kube.claims.model import ClaimRef
 from tests.dra_fakes import BOOT, NODE, FakeClaimSource, make_config, result
+from tests.test_ownership import granted_gpus
 
 DP, DRA, NONE = Owner.DEVICE_PLUGIN, Owner.DRA, Owner.NONE
 N_GPUS = 3
 OWNERS = st.sampled_from([DP, DRA, NONE])
 GPU = st.integers(min_value=0, max_value=N_GPUS - 1)
 NAME = st.sampled_from([f"w{i}" for i in range(4)])
+NODE_UID = "node-uid"
 
 
 class ModelPublisher:
-    """The ResourceSlice publisher as the scheduler sees it: attempted, written, listed."""
+    """The ResourceSlice publisher as the scheduler sees it: the slices the API has, a write
+    attempted, whether it has listed; what to write comes from the real planning functions."""
 
-    def __init__(self, inventory: Inventory, written: frozenset[str] = frozenset()) -> None:
-        self._all = frozenset(g.uuid for g in inventory.gpus)
-        self.written = written  # what the API has
-        self.attempting: frozenset[str] = frozenset()
+    def __init__(self, inventory: Inventory, stored: tuple[StoredSlice, ...] = ()) -> None:
+        self._all = frozenset(d.gpu_uuid for d in dra_devices(inventory))
+        self.stored = stored  # what the API has
+        #: a write attempted and not answered yet: its plan and the slices it writes
+        self.writing: tuple[Plan, tuple[tuple[SliceDevice, ...], ...]] | None = None
         self.listed = False  # a fresh publisher trusts nothing until it has listed
 
     def published_gpus(self) -> frozenset[str]:
+        gpus = {gpu for s in self.stored for gpu in s.gpus}
+        if self.writing is not None:
+            gpus |= {d.gpu_uuid for devices in self.writing[1] for d in devices}
         if not self.listed:
-            return self._all
-        return self.written | self.attempting
+            gpus |= self._all
+        return frozenset(gpus)
+
+    def stored_devices(self) -> frozenset[str]:
+        return frozenset(d.name for s in self.stored for d in s.devices)
 
     async def run(self) -> None:
         await asyncio.Event().wait()
@@ -122,16 +137,15 @@ class Node(RuleBasedStateMachine):
     def start_agent(self) -> None:
         """A (re)start: nothing survives from memory but what the agent re-derives."""
         self.ownership = OwnershipState()
-        self.publisher = ModelPublisher(self.inventory, self.publisher.written)
+        self.snapshot = None  # a new process has not asked PodResources yet
+        self.publisher = ModelPublisher(self.inventory, self.publisher.stored)
         cdi = create_cdi_service(self.config, inventory=self.inventories)
         self.dra: DraMechanism = self.run(
             build_dra(
                 self.config,
                 claims=self.claims,
                 publisher=self.publisher,
-                inventory=self.inventories,
-                ownership=self.ownership,
-                health=self.health,
+                node=NodeFacts(inventory=self.inventories, health=self.health, ownership=self.ownership),
                 cdi=cdi,
                 registry=None,
                 node_name=NODE,
@@ -205,7 +219,7 @@ class Node(RuleBasedStateMachine):
     @rule(name=NAME, gpu=GPU)
     def scheduler_allocates_and_kubelet_prepares(self, name: str, gpu: int) -> None:
         uuid = self.gpus[gpu]
-        if name in self.prepared or uuid not in self.publisher.written:
+        if name in self.prepared or self.devices[uuid] not in self.publisher.stored_devices():
             return
         ref = self.claims.add(name, result(self.devices[uuid]))
         answer = self.run(self.dra.driver.prepare([ref]))[ref.uid]
@@ -221,11 +235,39 @@ class Node(RuleBasedStateMachine):
 
     @rule()
     def slice_write_attempted(self) -> None:
-        self.publisher.attempting = self.ownership.current.gpus_granted_to(DRA)
+        """The publisher's sync: the pool from inventory, grants and health, and the writes to it."""
+        driver = self.config.dra.driver_name
+        desired = desired_slices(
+            dra_devices(self.inventory),
+            ownership=self.ownership.current,
+            health=self.health,
+            driver=driver,
+            taints=False,
+        )
+        assert desired is not None
+        writes = plan(desired, self.publisher.stored, node=NODE, driver=driver, node_uid=NODE_UID)
+        self.publisher.writing = None if writes.empty else (writes, desired)
 
     @rule()
     def slice_write_succeeds(self) -> None:
-        self.publisher.written, self.publisher.attempting = self.publisher.attempting, frozenset()
+        if self.publisher.writing is not None:
+            writes, desired = self.publisher.writing
+            self.publisher.stored = tuple(
+                StoredSlice(
+                    name=f"{NODE}-slice-{writes.generation}-{i}",
+                    uid=f"uid-{writes.generation}-{i}",
+                    resource_version="1",
+                    driver=self.config.dra.driver_name,
+                    pool=NODE,
+                    generation=writes.generation,
+                    count=writes.count,
+                    node_name=NODE,
+                    devices=devices,
+                    owner_uid=NODE_UID,
+                )
+                for i, devices in enumerate(desired)
+            )
+        self.publisher.writing = None
         self.publisher.listed = True
 
     # --- the operator, the hardware, time ------------------------------------------------------
@@ -277,8 +319,8 @@ class Node(RuleBasedStateMachine):
         table = self.ownership.current
         dp = set(self.pods.values()) | {u for _, u, _ in self.pending}
         dra = set(self.prepared.values())
-        assert not {g for g in dp if not table.granted_to(g, DP)} & table.gpus_granted_to(DRA)
-        assert not {g for g in dra if not table.granted_to(g, DRA)} & table.gpus_granted_to(DP)
+        assert not {g for g in dp if not table.granted_to(g, DP)} & granted_gpus(table, DRA)
+        assert not {g for g in dra if not table.granted_to(g, DRA)} & granted_gpus(table, DP)
 
     def teardown(self) -> None:
         try:

@@ -5,7 +5,12 @@ import pytest
 from agent.core.config.loader import build_config
 from agent.core.config.schema import Owner
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
-from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
+
+
+def granted_gpus(table: OwnershipTable, owner: Owner) -> frozenset[str]:
+    """Physical GPUs (no MIG devices) granted to ``owner``."""
+    return frozenset(gpu for gpu in table.gpus() if table.granted_to(gpu, owner))
 
 
 def _inventory() -> Inventory:
@@ -68,6 +73,14 @@ def test_node_rule_by_name_then_gpu_overrides_by_uuid_and_index() -> None:
     assert set(_table(doc, node="n2").values()) == {Owner.DEVICE_PLUGIN}
 
 
+def test_the_table_says_which_overrides_are_by_index_and_the_gpu_each_names() -> None:
+    doc = {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"GPU-0": "dra", "3": "none", "1": "dra", "9": "dra"}}]}
+    config = build_config({"ownership": doc})
+    table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v")
+    # by UUID is not by index; an inert one names no GPU
+    assert table.index_overrides == {"ownership.nodes[0].gpus['1']": "GPU-1", "ownership.nodes[0].gpus['3']": "GPU-3"}
+
+
 def test_node_rule_by_labels_needs_all_labels_and_first_match_wins() -> None:
     doc = {
         "nodes": [
@@ -95,8 +108,8 @@ def test_override_for_a_gpu_not_on_the_node_is_inert(key: str) -> None:
 def test_table_queries() -> None:
     config = build_config({"ownership": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"1": "dra"}}]}})
     table = compute_ownership(_inventory(), config.ownership, node_name="n1", node_labels={}, version="v1")
-    assert table.gpus_granted_to(Owner.DRA) == {"GPU-1"}
-    assert table.gpus_granted_to(Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
+    assert granted_gpus(table, Owner.DRA) == {"GPU-1"}
+    assert granted_gpus(table, Owner.DEVICE_PLUGIN) == {"GPU-0", "GPU-2", "GPU-3"}
     assert table.counts() == {Owner.DEVICE_PLUGIN: 3, Owner.DRA: 1, Owner.NONE: 0}
     assert table.owner_of("GPU-unknown") is Owner.NONE
     assert table.node_rule == "ownership.nodes[0]"

@@ -29,9 +29,10 @@ from agent.core.config.schema import Config, HealthConfig, NodeMatch, NodeRule, 
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.manager import PluginManager
-from agent.deviceplugin.server import DEFAULT_TIMEOUTS, Timeouts
+from agent.deviceplugin.server import DEFAULT_REGISTRATION_TIMEOUTS, RegistrationTimeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests.fake_kubelet import FakeKubelet
 
@@ -182,7 +183,7 @@ async def plugin_harness(
     plugin: PluginConfig | None = None,
     *,
     start_kubelet: bool = True,
-    timeouts: Timeouts = DEFAULT_TIMEOUTS,
+    timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
     kubelet: Callable[[Path], FakeKubelet] = FakeKubelet,
 ) -> AsyncIterator[PluginHarness]:
     with short_tmpdir() as root:
@@ -199,9 +200,7 @@ async def plugin_harness(
             await fake.start()
         manager = PluginManager(
             config_state=config_state,
-            inventory=inventories,
-            health=health,
-            ownership=ownership,
+            node=NodeFacts(inventory=inventories, health=health, ownership=ownership),
             cdi=cdi,
             plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,  # retries in tens of milliseconds

@@ -16,6 +16,7 @@ import pytest
 
 from agent.core.config.schema import Owner, PluginConfig, TimeSlicingConfig
 from agent.core.inventory.current import InventoryState
+from agent.core.node import NodeFacts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.test_plugin_fakes import PluginHarness, ids_of, loaded, next_message, plugin_harness, wait_for
@@ -430,10 +431,10 @@ async def test_plugin_can_be_switched_off_and_on_live(h: PluginHarness) -> None:
 
 async def test_restart_cut_short_by_a_rebuild_leaves_no_old_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rebuild cancels a restart while it drains its streams: the old listener must still close."""
-    from agent.deviceplugin.server import Timeouts
+    from agent.deviceplugin.server import RegistrationTimeouts
     from agent.deviceplugin.service import ResourceService
 
-    async with plugin_harness(timeouts=Timeouts(stream_drain_s=60.0)) as h:
+    async with plugin_harness(timeouts=RegistrationTimeouts(stream_drain_s=60.0)) as h:
         await h.settled()
         server = h.manager.servers[GPU]
         run = server._run
@@ -480,9 +481,11 @@ async def test_nothing_to_serve_is_ready_with_zero_servers() -> None:
     with short_tmpdir() as root:
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=InventoryState(Inventory.empty("none")),
-            health=HealthMonitor(config=HealthConfig()),
-            ownership=OwnershipState(),
+            node=NodeFacts(
+                inventory=InventoryState(Inventory.empty("none")),
+                health=HealthMonitor(config=HealthConfig()),
+                ownership=OwnershipState(),
+            ),
             cdi=FakeCdi(),
             plugin_dir=root / "device-plugins",
         )
@@ -537,9 +540,9 @@ async def test_missing_device_plugins_dir_is_waited_for() -> None:
         health.set_inventory(inventory)
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=InventoryState(inventory),
-            health=health,
-            ownership=OwnershipState(ownership_for(inventory)),
+            node=NodeFacts(
+                inventory=InventoryState(inventory), health=health, ownership=OwnershipState(ownership_for(inventory))
+            ),
             cdi=FakeCdi(),
             plugin_dir=root / "device-plugins",
             backoff=FAST_BACKOFF,

@@ -20,6 +20,7 @@ from agent.core.config.schema import Config, HealthConfig, Owner, PluginConfig
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory, Link, MigDevice, PcieLevel, link_key
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.deviceplugin.manager import PluginManager
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
@@ -225,9 +226,9 @@ async def test_update_before_run_plans_from_the_newest_inventory() -> None:
     with short_tmpdir() as root:
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=inventories,
-            health=HealthMonitor(config=HealthConfig()),
-            ownership=OwnershipState(),
+            node=NodeFacts(
+                inventory=inventories, health=HealthMonitor(config=HealthConfig()), ownership=OwnershipState()
+            ),
             cdi=FakeCdi(),
             plugin_dir=root / "device-plugins",
         )
@@ -251,9 +252,7 @@ async def test_gpus_that_appear_later_are_served_without_a_restart() -> None:
         await kubelet.start()
         manager = PluginManager(
             config_state=ConfigState(loaded(Config())),
-            inventory=inventories,
-            health=health,
-            ownership=ownership,
+            node=NodeFacts(inventory=inventories, health=health, ownership=ownership),
             cdi=FakeCdi(),
             plugin_dir=root / "device-plugins",
         )

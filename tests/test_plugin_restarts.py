@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.deviceplugin.server import Timeouts
+from agent.deviceplugin.server import RegistrationTimeouts
 from tests._grpcio import deviceplugin_v1beta1_pb2 as pb
 from tests._grpcio import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from tests.fake_kubelet import FakeKubelet, KubeletProcess
@@ -35,7 +35,7 @@ BURST = 50
 
 #: a short settle keeps hundreds of restarts fast, and shows that correctness never rests on
 #: events coalescing: the agent may well act on half a restart and must still register once
-FAST = Timeouts(settle_s=0.005, settle_max_s=0.2)
+FAST = RegistrationTimeouts(settle_s=0.005, settle_max_s=0.2)
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ async def test_kubelet_down_then_back_is_not_ready_then_registered_once(h: Plugi
 
 
 async def test_kubelet_that_never_opens_the_stream_is_asked_again() -> None:
-    async with plugin_harness(timeouts=Timeouts(stream_open_s=0.1, settle_s=0.005)) as h:
+    async with plugin_harness(timeouts=RegistrationTimeouts(stream_open_s=0.1, settle_s=0.005)) as h:
         await h.settled()
         h.kubelet.open_streams = False  # accepts Register, never calls ListAndWatch
         h.kubelet.restart_now()

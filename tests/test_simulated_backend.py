@@ -29,6 +29,11 @@ async def inventory_of(preset: str, node: str = "node-a") -> Inventory:
     return await make(preset, node).load()
 
 
+def all_uuids(inventory: Inventory) -> list[str]:
+    """Every device UUID of the node: GPUs and their MIG devices, in inventory order."""
+    return [uuid for gpu in inventory for uuid in (gpu.uuid, *(m.uuid for m in gpu.mig_devices))]
+
+
 # --- presets ------------------------------------------------------------------------------
 
 
@@ -79,7 +84,7 @@ async def test_a100_mig_preset() -> None:
             # /proc/driver/nvidia-caps/mig-minors: 3 + gpu*135 + gi*9, the CI right after its GI
             assert mig.gi_cap_minor == 3 + gpu.minor * 135 + mig.gpu_instance_id * 9
             assert mig.ci_cap_minor == mig.gi_cap_minor + 1
-    assert len(inv.all_uuids()) == 4 + 15
+    assert len(all_uuids(inv)) == 4 + 15
 
 
 async def test_workstation_preset() -> None:
@@ -94,11 +99,11 @@ async def test_workstation_preset() -> None:
 
 async def test_uuids_are_deterministic_per_node() -> None:
     first, again, other = [await inventory_of("a100-4x-mig", node) for node in ("node-a", "node-a", "node-b")]
-    assert first.all_uuids() == again.all_uuids()
-    assert not set(first.all_uuids()) & set(other.all_uuids())
+    assert all_uuids(first) == all_uuids(again)
+    assert not set(all_uuids(first)) & set(all_uuids(other))
     h100 = await inventory_of("h100-8x-nvlink", "node-a")
-    assert not set(first.all_uuids()) & set(h100.all_uuids())
-    for uuid in first.all_uuids():
+    assert not set(all_uuids(first)) & set(all_uuids(h100))
+    for uuid in all_uuids(first):
         prefix, _, rest = uuid.partition("-")
         assert prefix in ("GPU", "MIG")
         assert [len(part) for part in rest.split("-")] == [8, 4, 4, 4, 12]
@@ -299,7 +304,7 @@ async def test_fault_without_xid_holds_checks_until_healed(sim: Harness) -> None
     mig = gpu.mig_devices[3]
     assert sim.backend.inject(mig.uuid, healthy=False).kind is SignalKind.INJECTED_FAULT
     assert sim.monitor.state(gpu.uuid) is HealthState.UNHEALTHY
-    assert sim.backend.faulted == {gpu.uuid}
+    assert sim.backend.status()["faulted"] == [gpu.uuid]
     mark = len(sim.signals)
     await sim.wait_for_checks(other.uuid)
     assert sim.checks_since(mark, gpu.uuid) == 0
@@ -307,7 +312,7 @@ async def test_fault_without_xid_holds_checks_until_healed(sim: Harness) -> None
 
     sim.backend.inject("0", healthy=True)
     assert sim.monitor.state(mig.uuid) is HealthState.HEALTHY
-    assert sim.backend.faulted == frozenset()
+    assert sim.backend.status()["faulted"] == []
     await sim.wait_for_checks(gpu.uuid, 1)
 
 

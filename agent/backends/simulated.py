@@ -118,11 +118,6 @@ class SimulatedBackend:
             "faulted": sorted(self._faulted),
         }
 
-    @property
-    def faulted(self) -> frozenset[str]:
-        """GPU UUIDs whose periodic checks are held off by an injected fault."""
-        return frozenset(self._faulted)
-
     async def watch_health(self, inventory: Inventory, emit: SignalSink) -> None:
         """Emit CHECK_OK per unfaulted GPU every check interval until cancelled."""
         self._inventory, self._emit, self._loop_thread = inventory, emit, threading.get_ident()

@@ -1,10 +1,61 @@
-"""Small durable-write helpers shared by the writers of the agent's files (CDI specs, the checkpoint)."""
+"""The one durable-write sequence of the agent's files (CDI specs, the DRA checkpoint).
+
+:func:`replace_file` puts new content at a path so that a reader, or a crash at any moment,
+sees either the old file or the new one, never a mix: a hidden temp file in the same
+directory, write, fsync the file, rename over the target, fsync the directory. Callers wrap
+the ``OSError`` it raises in their own error (with the operation and the path they care about).
+
+All functions block (file I/O): callers run them off the event loop.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 from pathlib import Path
+
+#: what marks a temp file: ``.<target name>.tmp-<random>`` (hidden, and not ``.json``/``.yaml``,
+#: so CDI runtimes never read one)
+TEMP_MARK = ".tmp-"
+
+
+def replace_file(path: Path, data: bytes, *, mode: int, sync_directory: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically and durably; file permissions ``mode`` exactly.
+
+    On failure raises ``OSError``; the temp file is gone and the old file untouched.
+    ``sync_directory=False`` leaves the directory fsync to the caller (one for a batch of files).
+    """
+    directory = path.parent
+    tmp = directory / f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        try:
+            os.fchmod(fd, mode)  # open's mode is filtered by the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if sync_directory:
+        fsync_directory(directory)
+
+
+def temp_target(name: str) -> str | None:
+    """The target file name a temp file of :func:`replace_file` was for; None for any other name.
+
+    Temp files outlive a write only when a crash interrupted it; their owners remove them at start.
+    """
+    base, mark, _ = name.partition(TEMP_MARK)
+    if not mark or not base.startswith("."):
+        return None
+    return base[1:]
 
 
 def fsync_directory(directory: Path) -> None:

@@ -55,7 +55,6 @@ import structlog
 
 log = structlog.get_logger("agent.fswatch")
 
-IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004
 IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040

@@ -63,7 +63,6 @@ class HookBinary:
 
     host_path: Path
     subcommands: frozenset[str] = frozenset()
-    found_at: str = ""  # where the agent saw it ("" when it was configured and not seen)
 
     @property
     def argv_prefix(self) -> tuple[str, ...]:
@@ -94,7 +93,7 @@ class HookLocator:
             if seen is None and self._roots.is_identity:
                 seen = self._hook_path
             if seen is not None and _executable(seen):
-                return HookBinary(self._hook_path, self._scan(seen), found_at=str(seen))
+                return HookBinary(self._hook_path, self._scan(seen))
             if not self._reported_unreadable:
                 log.info(
                     "cdi.hook_not_inspected",
@@ -107,7 +106,7 @@ class HookLocator:
             found = self._find(candidate)
             if found is not None:
                 seen, host = found
-                return HookBinary(host, self._scan(seen), found_at=str(seen))
+                return HookBinary(host, self._scan(seen))
         return None
 
     def _find(self, candidate: Path) -> tuple[Path, Path] | None:

@@ -71,15 +71,6 @@ def qualified_name(kind: str, name: str) -> str:
     return f"{kind}={check_device_name(name)}"
 
 
-def parse_qualified_name(qualified: str) -> tuple[str, str, str]:
-    """``vendor/class=name`` -> (vendor, class, name), validated."""
-    kind, sep, name = qualified.partition("=")
-    if not sep or qualified.startswith("/"):
-        raise InvalidNameError(f"{qualified!r} is not a qualified CDI device name (vendor/class=name)")
-    vendor, klass = split_kind(kind)
-    return vendor, klass, check_device_name(name)
-
-
 def device_part(device_id: str) -> str:
     """A device UUID made fit for a device name (legacy MIG UUIDs contain '/')."""
     return _NOT_NAME_CHAR.sub("_", device_id)

@@ -2,12 +2,12 @@
 
 Contract for callers:
 
-* ``device_name`` / ``index_device_name`` answer from the inventory (no I/O) the qualified
-  names of the device plugin spec; ``ensure_device_plugin_spec`` makes sure the file exists
-  before the first Allocate answer hands such a name out. In steady state it answers from
+* ``device_name`` answers from the inventory (no I/O) the qualified names of the device
+  plugin spec; ``ensure_device_plugin_spec`` makes sure the file exists before the first
+  Allocate answer hands such a name out. In steady state it answers from
   memory (see "Knowing the spec is current" below), so an Allocate touches no disk.
-* ``prepare_claim`` writes the claim's transient spec before returning its names;
-  ``unprepare_claim`` removes it. Both are idempotent and serialised with the reconciler
+* ``prepare_claims`` writes the claims' transient specs before returning their names;
+  ``unprepare_claims`` removes them. Both are idempotent and serialised with the reconciler
   by one lock; file I/O runs in worker threads.
 * ``run`` reconciles at start and then every ``reconcile_interval_s`` (at once when the
   inventory changes or one of its files does), repairing deleted, drifted and orphaned files.
@@ -70,17 +70,9 @@ class CdiProvider(Protocol):
 
     def device_name(self, device_uuid: str) -> str: ...
 
-    def index_device_name(self, index: str) -> str: ...
-
     async def ensure_device_plugin_spec(self) -> None: ...
 
-    async def prepare_claim(
-        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
-    ) -> list[str]: ...
-
     async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]: ...
-
-    async def unprepare_claim(self, claim_uid: str) -> None: ...
 
     async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]: ...
 
@@ -184,20 +176,6 @@ class CdiService:
             raise UnknownCdiDeviceError(f"device {device_uuid!r} is not on this node")
         return self._checked_name(device_uuid)
 
-    def index_device_name(self, index: str) -> str:
-        """The same for ``"<gpu index>"`` or ``"<gpu index>:<mig index>"``, or ``"all"``."""
-        gpu_index, _, mig_index = index.partition(":")
-        gpu = self._inventory().find(gpu_index) if gpu_index.isdigit() else None
-        if index == generate.ALL_DEVICES:
-            if not any(g.uuid not in self._skipped for g in self._inventory()):
-                raise UnknownCdiDeviceError("no device of this node is in the CDI spec, so 'all' names nothing")
-            return qualified_name(self._config.device_plugin_kind, index)
-        if gpu is None or (mig_index and not any(str(m.index) == mig_index for m in gpu.mig_devices)):
-            raise UnknownCdiDeviceError(f"no device with index {index!r} on this node")
-        uuid = gpu.uuid if not mig_index else next(m.uuid for m in gpu.mig_devices if str(m.index) == mig_index)
-        self._checked_name(uuid)
-        return qualified_name(self._config.device_plugin_kind, index)
-
     def _checked_name(self, uuid: str) -> str:
         if uuid in self._skipped:
             raise UnknownCdiDeviceError(f"device {uuid!r} is left out of the CDI spec: its device nodes are missing")
@@ -247,22 +225,6 @@ class CdiService:
     def set_prepared_claims(self, source: PreparedClaims) -> None:
         """Let DRA answer which claims are prepared (used by the reconciler from now on)."""
         self._source = source
-
-    async def prepare_claim(
-        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
-    ) -> list[str]:
-        """Write the claim's spec and return one qualified name per device, in order.
-
-        ``env`` (device UUID -> ``NAME=VALUE`` entries) is appended to those devices' edits.
-        """
-        check_claim_uid(claim_uid)
-        if not devices:
-            raise CdiError(f"claim {claim_uid}: no devices to prepare")
-        claim = ClaimDevices(devices=tuple(devices), env={k: tuple(v) for k, v in (env or {}).items()})
-        outcome = (await self.prepare_claims({claim_uid: claim}))[claim_uid]
-        if isinstance(outcome, CdiError):
-            raise outcome
-        return outcome
 
     async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
         """Write several claims' specs in one worker-thread hop and one directory fsync.
@@ -320,13 +282,6 @@ class CdiService:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
         self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, sync_directory=False)
         return [qualified_name(kind, claim.names[d]) for d in devices]
-
-    async def unprepare_claim(self, claim_uid: str) -> None:
-        """Remove the claim's spec; a claim never prepared (or already gone) is fine."""
-        check_claim_uid(claim_uid)
-        error = (await self.unprepare_claims([claim_uid]))[claim_uid]
-        if error is not None:
-            raise error
 
     async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
         """Remove several claims' specs in one hop and one directory fsync; per claim, the error if any."""
@@ -501,26 +456,15 @@ class NullCdiService:
     def device_name(self, device_uuid: str) -> str:
         raise UnknownCdiDeviceError("CDI is disabled (cdi.enabled: false)")
 
-    def index_device_name(self, index: str) -> str:
-        raise UnknownCdiDeviceError("CDI is disabled (cdi.enabled: false)")
-
     async def ensure_device_plugin_spec(self) -> None:
         return None
 
-    async def prepare_claim(
-        self, claim_uid: str, devices: Sequence[str], env: Mapping[str, Sequence[str]] | None = None
-    ) -> list[str]:
-        # a DRA claim prepared without CDI devices would start a container without its GPUs
-        raise CdiError(f"claim {claim_uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
-
     async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
+        # a DRA claim prepared without CDI devices would start a container without its GPUs
         return {
             uid: CdiError(f"claim {uid}: CDI is disabled (cdi.enabled: false), so no device can be injected")
             for uid in claims
         }
-
-    async def unprepare_claim(self, claim_uid: str) -> None:
-        return None
 
     async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
         return dict.fromkeys(claim_uids)

@@ -1,8 +1,9 @@
 """Putting spec files into the CDI directory without ever damaging what is there.
 
-* Writes are atomic: a hidden temp file in the same directory (runtimes only read names
-  ending in ``.json``/``.yaml``), fsync, rename over the target, fsync the directory. A
-  failed write (read-only, full disk) leaves the previous file as it was.
+* Writes are atomic (:func:`agent.base.atomicfile.replace_file`): a hidden temp file in the same
+  directory (runtimes only read names ending in ``.json``/``.yaml``), fsync, rename over the
+  target, fsync the directory. A failed write (read-only, full disk) leaves the previous file as
+  it was.
 * Files are 0644, a directory the writer creates is 0755.
 * The writer owns exactly the files named after its kinds (``<vendor>-<class>.json`` and
   ``<vendor>-<class>_<id>.json``); it refuses to write or remove any other name, and it
@@ -20,19 +21,17 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from agent.base.atomicfile import fsync_directory
+from agent.base.atomicfile import fsync_directory, replace_file, temp_target
 from agent.cdi import spec as cdi_spec
 from agent.cdi.errors import InvalidSpecError, SpecConflictError, SpecWriteError
 from agent.cdi.names import SPEC_SUFFIX, SPEC_SUFFIXES, spec_file_name, transient_prefix
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
-_TMP_MARK = ".tmp-"
 
 
 def _reason(exc: OSError) -> str:
@@ -76,28 +75,10 @@ def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE, sync_directo
     ``sync_directory=False`` leaves the directory fsync to the caller (one for a batch of files).
     """
     check_target(path)
-    directory = path.parent
-    tmp = directory / f".{path.name}{_TMP_MARK}{secrets.token_hex(4)}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        replace_file(path, data, mode=mode, sync_directory=sync_directory)
     except OSError as exc:
         raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
-    try:
-        try:
-            os.fchmod(fd, mode)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
-    if sync_directory:
-        fsync_directory(directory)
 
 
 def read_spec_file(path: Path) -> cdi_spec.Spec:
@@ -219,8 +200,8 @@ class SpecWriter:
         except OSError:
             return removed
         for entry in entries:
-            base, mark, _ = entry.name.partition(_TMP_MARK)
-            if mark and base.startswith(".") and self.owns(base[1:]) and not entry.is_symlink():
+            target = temp_target(entry.name)
+            if target is not None and self.owns(target) and not entry.is_symlink():
                 with contextlib.suppress(OSError):
                     entry.unlink()
                     removed.append(entry.name)

@@ -30,11 +30,9 @@ from agent.base.fswatch import RESCAN, DirectoryWatcher
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig
 from agent.core.config.schema import Owner, PluginConfig
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import NodeStatus, Readiness, RegistrationCheck, Usage
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.deviceplugin.cdinames import CdiNames
 from agent.deviceplugin.divergence import ReplicaCount, plugin_checks, replica_counts
 from agent.deviceplugin.link import KubeletLink
@@ -43,11 +41,11 @@ from agent.deviceplugin.podresources import PodResourcesWatcher, Snapshot
 from agent.deviceplugin.preferred import TopologyScorer
 from agent.deviceplugin.resources import Resource, ResourcePlan, plan_resources
 from agent.deviceplugin.server import (
-    DEFAULT_BACKOFF,
-    DEFAULT_TIMEOUTS,
+    DEFAULT_REGISTRATION_TIMEOUTS,
     KUBELET_SOCKET,
+    REGISTRATION_BACKOFF,
     PluginServer,
-    Timeouts,
+    RegistrationTimeouts,
 )
 from agent.deviceplugin.service import ResourceService
 from agent.deviceplugin.usage import DeviceUsage, device_usage
@@ -75,24 +73,22 @@ class PluginManager:
         self,
         *,
         config_state: ConfigState,
-        inventory: InventoryState,
-        health: HealthMonitor,
-        ownership: OwnershipState,
+        node: NodeFacts,
         cdi: CdiNames,
         plugin_dir: Path,
         registry: CollectorRegistry | None = None,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        backoff: Backoff = REGISTRATION_BACKOFF,
+        timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
         pod_resources: PodResourcesWatcher | None = None,
     ) -> None:
         self._config_state = config_state
         #: who holds which device, from the kubelet (None: not asked, usage unknown)
         self.pod_resources = pod_resources
-        self._inventories = inventory
+        self._inventories = node.inventory
         #: the inventory the servers' plan was built from
-        self._inventory = inventory.current
-        self._health = health
-        self._ownership = ownership
+        self._inventory = node.inventory.current
+        self._health = node.health
+        self._ownership = node.ownership
         self._cdi = cdi
         self.plugin_dir = plugin_dir
         self.kubelet_socket = self.plugin_dir / KUBELET_SOCKET

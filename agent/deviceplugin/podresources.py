@@ -27,7 +27,6 @@ from agent._proto.podresources_v1 import v1 as pb
 log = structlog.get_logger("agent.plugin.podresources")
 T = TypeVar("T")
 
-SOCKET = "kubelet.sock"
 #: how long one call may take; the kubelet answers in milliseconds
 CALL_TIMEOUT_S = 2.0
 #: the newest answer is at most about this old while the kubelet answers

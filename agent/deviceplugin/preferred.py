@@ -103,11 +103,6 @@ class TopologyScorer:
         score = self._pairs.get(link_key(a, b))
         return self._compute(a, b) if score is None else score
 
-    def set_score(self, gpus: Sequence[str]) -> int:
-        """Sum of pair scores over all pairs of distinct GPUs in ``gpus``."""
-        distinct = sorted(set(gpus))
-        return sum(self.pair(a, b) for a, b in combinations(distinct, 2))
-
     def order_key(self, uuid: str) -> tuple[int, str]:
         """GPU order for tie-breaks: inventory index, GPUs unknown to the inventory last."""
         return (self._position.get(uuid, len(self._position)), uuid)

@@ -52,7 +52,6 @@ class PluginDevice:
     mig_uuid: str | None
     visible_id: str  # NVIDIA_VISIBLE_DEVICES form: the UUID, or "<index>" / "<index>:<mig index>"
     numa_node: int | None
-    replica: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,5 +203,4 @@ def _replica(device: PluginDevice, n: int) -> PluginDevice:
         mig_uuid=device.mig_uuid,
         visible_id=device.visible_id,
         numa_node=device.numa_node,
-        replica=n,
     )

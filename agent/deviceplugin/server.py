@@ -51,7 +51,9 @@ KUBELET_SOCKET = "kubelet.sock"
 
 
 @dataclass(frozen=True, slots=True)
-class Timeouts:
+class RegistrationTimeouts:
+    """Bounds on one plugin server's cycle: serve, check the socket, Register, the kubelet's stream."""
+
     self_check_s: float = 5.0
     register_s: float = 10.0  # the kubelet itself dials us with a 10 s limit inside Register
     # how long a stopping run waits for its streams to end before cancelling them (a client
@@ -70,8 +72,9 @@ class Timeouts:
     settle_max_s: float = 1.0
 
 
-DEFAULT_BACKOFF = Backoff(initial_s=0.2)
-DEFAULT_TIMEOUTS = Timeouts()
+#: between attempts of a server that failed to serve its socket or to register
+REGISTRATION_BACKOFF = Backoff(initial_s=0.2)
+DEFAULT_REGISTRATION_TIMEOUTS = RegistrationTimeouts()
 
 MakeService = Callable[[Resource, KubeletLink], ResourceService]
 
@@ -88,8 +91,8 @@ class PluginServer:
         make_service: MakeService,
         plugin_dir: Path,
         metrics: PluginMetrics,
-        backoff: Backoff = DEFAULT_BACKOFF,
-        timeouts: Timeouts = DEFAULT_TIMEOUTS,
+        backoff: Backoff = REGISTRATION_BACKOFF,
+        timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.resource = resource

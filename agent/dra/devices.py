@@ -39,9 +39,6 @@ class Attribute:
     kind: AttributeKind
     value: int | bool | str
 
-    def as_api(self) -> dict[str, int | bool | str]:
-        return {f"{self.kind}": self.value}
-
 
 @dataclass(frozen=True, slots=True)
 class DraDevice:

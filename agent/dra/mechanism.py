@@ -11,6 +11,7 @@ knows it through :class:`SlicePublisher`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,16 +24,17 @@ from agent.base.backoff import Backoff
 from agent.base.errors import StartupError
 from agent.cdi.service import CdiProvider
 from agent.core.config.schema import Config, Owner
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
-from agent.dra.claims.driver import DEFAULT_TIMEOUTS, DraDriver, Timeouts
+from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
+from agent.dra.claims.prepared import PreparedClaims
+from agent.dra.claims.specwriter import ClaimSpecWriter, specs_to_keep
 from agent.dra.kubelet.endpoints import (
-    DEFAULT_BACKOFF,
     DRA_SOCKET,
     REGISTRY_DIR,
+    SERVE_BACKOFF,
     KubeletPlugin,
     registration_socket_name,
 )
@@ -48,7 +50,9 @@ log = structlog.get_logger("agent.dra")
 
 
 class SlicePublisher(Protocol):
-    """The ResourceSlice publisher (built in ``agent/dra`` by the API side, a fake in tests)."""
+    """What the DRA mechanism needs of the ResourceSlice publisher: :class:`KubeSlicePublisher
+    <agent.dra.slices.publisher.KubeSlicePublisher>` (through the API), :class:`NoApiPublisher
+    <agent.dra.slices.noapi.NoApiPublisher>` (without API access), a fake in tests."""
 
     async def run(self) -> None:
         """Publish and keep the node's slices current until cancelled."""
@@ -79,8 +83,9 @@ class SlicePublisher(Protocol):
 class DraTuning:
     """Bounds and clocks; the defaults are the production values, tests shorten them."""
 
-    timeouts: Timeouts = DEFAULT_TIMEOUTS
-    backoff: Backoff = DEFAULT_BACKOFF
+    timeouts: PrepareTimeouts = DEFAULT_PREPARE_TIMEOUTS
+    #: serving the plugin sockets, and reading a checkpoint that could not be read at start
+    backoff: Backoff = SERVE_BACKOFF
     health_resend_s: float = RESEND_S
     health_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
 
@@ -97,7 +102,7 @@ class DraMechanism:
         registration: RegistrationState,
         publisher: SlicePublisher,
         ownership: OwnershipState,
-        backoff: Backoff = DEFAULT_BACKOFF,
+        backoff: Backoff = SERVE_BACKOFF,
     ) -> None:
         self.driver = driver
         self.plugin = plugin
@@ -115,7 +120,7 @@ class DraMechanism:
         device out twice.
         """
         attempt = 0
-        while not self.driver.loaded:
+        while not self.driver.prepared.loaded:
             attempt += 1
             await asyncio.sleep(self._backoff.delay(attempt))
             await self._restore()
@@ -155,13 +160,14 @@ class DraMechanism:
         try:
             await self.driver.restore()
         except StartupError as exc:
-            if str(exc) != self.driver.load_error:
+            if str(exc) != self.driver.prepared.load_error:
                 log.error("DRA checkpoint cannot be read; DRA waits and retries", error=str(exc))
-            self.driver.load_error = str(exc)
+            self.driver.prepared.load_error = str(exc)
 
     def _own_readiness(self) -> Readiness:
-        if not self.driver.loaded:
-            return Readiness(False, f"DRA checkpoint not loaded: {self.driver.load_error or 'not yet'}")
+        prepared = self.driver.prepared
+        if not prepared.loaded:
+            return Readiness(False, f"DRA checkpoint not loaded: {prepared.load_error or 'not yet'}")
         for endpoint in (self.plugin.dra, self.plugin.registration):
             if endpoint.last_error:
                 return Readiness(False, f"DRA plugin cannot serve its {endpoint.name} socket: {endpoint.last_error}")
@@ -181,10 +187,11 @@ class DraMechanism:
         return self.publisher.published_gpus()
 
     def usage(self) -> Usage:
-        if not self.driver.loaded:
-            return Usage(known=False, reason=f"the DRA checkpoint is not loaded: {self.driver.load_error or 'not yet'}")
+        prepared = self.driver.prepared
+        if not prepared.loaded:
+            return Usage(known=False, reason=f"the DRA checkpoint is not loaded: {prepared.load_error or 'not yet'}")
         holders: dict[str, list[Holder]] = {}
-        for claim in self.driver.prepared.values():
+        for claim in prepared.values():
             by_gpu: dict[str, list[str]] = {}
             for device in claim.devices:
                 by_gpu.setdefault(device.gpu_uuid, []).append(device.name)
@@ -262,7 +269,7 @@ class DraMechanism:
                 ]
                 for gpu, hs in sorted(usage.holders.items())
             },
-            "checkpoint": self.driver.checkpoint.as_dict(),
+            "checkpoint": self.driver.prepared.checkpoint.as_dict(),
             "health": {
                 "streams": self.feed.streams,
                 "messages_sent": self.feed.messages_sent,
@@ -278,9 +285,7 @@ async def build_dra(
     *,
     claims: ClaimSource,
     publisher: SlicePublisher,
-    inventory: InventoryState,
-    ownership: OwnershipState,
-    health: HealthMonitor,
+    node: NodeFacts,
     cdi: CdiProvider,
     registry: CollectorRegistry | None,
     node_name: str,
@@ -294,26 +299,25 @@ async def build_dra(
     """
     driver_name = config.dra.driver_name
     metrics = DraMetrics(registry)
+    prepared = PreparedClaims(
+        CheckpointStore(config.state_dir), boot_id=read_boot_id() if boot_id is None else boot_id, metrics=metrics
+    )
+    specs = ClaimSpecWriter(
+        cdi, cdi_root=config.paths.cdi_root if config.cdi.enabled else None, claim_kind=config.cdi.claim_kind
+    )
     driver = DraDriver(
         driver_name=driver_name,
         pool=node_name,
         claims=claims,
-        inventory=inventory,
-        ownership=ownership,
-        health=health,
-        cdi=cdi,
-        store=CheckpointStore(config.state_dir),
+        node=node,
+        prepared=prepared,
+        specs=specs,
         metrics=metrics,
-        boot_id=read_boot_id() if boot_id is None else boot_id,
-        cdi_root=config.paths.cdi_root if config.cdi.enabled else None,
-        claim_kind=config.cdi.claim_kind,
         timeouts=tuning.timeouts,
     )
     feed = HealthFeed(
         pool=node_name,
-        inventory=inventory,
-        ownership=ownership,
-        health=health,
+        node=node,
         resend_s=tuning.health_resend_s,
         sleep=tuning.health_sleep,
     )
@@ -332,9 +336,9 @@ async def build_dra(
         feed=feed,
         registration=registration,
         publisher=publisher,
-        ownership=ownership,
+        ownership=node.ownership,
         backoff=tuning.backoff,
     )
     await mechanism._restore()  # an unreadable state directory is retried by run(), not fatal
-    cdi.set_prepared_claims(driver.cdi_claims)
+    cdi.set_prepared_claims(functools.partial(specs_to_keep, prepared))
     return mechanism

@@ -53,10 +53,8 @@ class NodeStatusReader:
         self._path = f"/api/v1/nodes/{quote(node_name, safe='')}"
         self._timeout_s = timeout_s
         self.status = NodeStatus(reason="not read yet")
-        self.reads = 0
 
     async def refresh(self) -> None:
-        self.reads += 1
         try:
             node = await self._client.get(
                 self._path, {"resourceVersion": "0"}, timeout_s=self._timeout_s, max_bytes=NODE_MAX_BYTES

@@ -23,13 +23,12 @@ from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig
 from agent.core.config.node import uses_label_rules
 from agent.core.config.schema import Config
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Mechanism, Readiness
+from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover
 from agent.core.ownership.plan import plan_rows
-from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
+from agent.core.ownership.table import OwnershipTable, compute_ownership
 from agent.kube.labels import NodeLabelSource, StaticLabelSource
 from agent.observe.debug.document import agent_state
 from agent.observe.debug.server import SimulatedControl
@@ -53,9 +52,7 @@ class Agent:
         config_state: ConfigState,
         node_name: str,
         backend: Backend,
-        inventory: InventoryState,
-        health: HealthMonitor,
-        ownership: OwnershipState,
+        node: NodeFacts,
         cdi: CdiProvider,
         mechanisms: Mapping[str, Mechanism],
         labels: NodeLabelSource | StaticLabelSource,
@@ -66,9 +63,9 @@ class Agent:
         self.config_state = config_state
         self.node_name = node_name
         self.backend = backend
-        self.inventories = inventory
-        self.health = health
-        self.ownership = ownership
+        self.inventories = node.inventory
+        self.health = node.health
+        self.ownership = node.ownership
         self.cdi = cdi
         self._mechanisms = dict(mechanisms)
         self.labels = labels

@@ -42,6 +42,7 @@ from agent.core.config.loader import LoadedConfig, load_config
 from agent.core.config.node import resolve_node_name, uses_label_rules
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
+from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.deviceplugin.manager import PluginManager
 from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
@@ -70,12 +71,10 @@ class Core:
     loaded: LoadedConfig
     node_name: str
     backend: Backend
-    inventory: InventoryState
+    node: NodeFacts
     config_state: ConfigState
-    health: HealthMonitor
     registry: CollectorRegistry
     cdi: CdiProvider
-    ownership: OwnershipState
     plugin: PluginManager
 
 
@@ -140,17 +139,15 @@ async def _build_core(stack: contextlib.AsyncExitStack, loaded: LoadedConfig, no
     health.set_inventory(first)
     registry = CollectorRegistry(auto_describe=True)
     cdi = create_cdi_service(config, inventory=inventory, registry=registry)
-    ownership = OwnershipState()
+    node = NodeFacts(inventory=inventory, health=health, ownership=OwnershipState())
     # every mechanism exists on every node: a node whose GPUs appear later (a driver container
     # that becomes ready) serves them without a restart
     plugin = PluginManager(
         config_state=config_state,
-        inventory=inventory,
-        health=health,
-        ownership=ownership,
+        node=node,
         cdi=cdi,
         plugin_dir=config.device_plugins_dir,
         registry=registry,
         pod_resources=PodResourcesWatcher(PodResourcesClient(config.pod_resources_socket)),
     )
-    return Core(loaded, node_name, backend, inventory, config_state, health, registry, cdi, ownership, plugin)
+    return Core(loaded, node_name, backend, node, config_state, registry, cdi, plugin)

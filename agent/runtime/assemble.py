@@ -24,15 +24,13 @@ from agent.core.config.current import ConfigState
 from agent.core.config.loader import parse_host_port
 from agent.core.config.watcher import ConfigWatcher
 from agent.core.eventsink import EventSink
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Mechanism
+from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover, Observed
 from agent.core.ownership.handover_events import HandoverEvents
-from agent.core.ownership.table import OwnershipState
 from agent.dra.mechanism import build_dra
 from agent.dra.slices.noapi import NoApiPublisher
-from agent.dra.slices.publisher import SlicePublisher
+from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
@@ -57,17 +55,15 @@ async def build_rest(
     kube = await stack.enter_async_context(open_kube(config, registry=registry))
     labels = label_source(client=kube, node_name=node_name, static_labels={})
     events: EventRecorder | None = None
-    publisher: SlicePublisher | NoApiPublisher = NoApiPublisher()
+    publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
     if kube is not None:
         resources = ResourceApi(kube)
-        publisher = SlicePublisher(
+        publisher = KubeSlicePublisher(
             client=kube,
             node_name=node_name,
             driver_name=config.dra.driver_name,
-            inventory=core.inventory,
-            ownership=core.ownership,
-            health=core.health,
+            node=core.node,
             registry=registry,
             resource_api=resources,
         )
@@ -78,9 +74,7 @@ async def build_rest(
         config,
         claims=claims,
         publisher=publisher,
-        inventory=core.inventory,
-        ownership=core.ownership,
-        health=core.health,
+        node=core.node,
         cdi=core.cdi,
         registry=registry,
         node_name=node_name,
@@ -89,7 +83,7 @@ async def build_rest(
     observers = build_observers(
         config=core.config_state,
         backend=core.backend,
-        inventory=core.inventory,
+        inventory=core.node.inventory,
         mechanisms=mechanisms,
         registry=registry,
         kube=kube,
@@ -102,9 +96,7 @@ async def build_rest(
         config_state=core.config_state,
         node_name=node_name,
         backend=core.backend,
-        inventory=core.inventory,
-        health=core.health,
-        ownership=core.ownership,
+        node=core.node,
         cdi=core.cdi,
         mechanisms=mechanisms,
         registry=registry,
@@ -115,9 +107,9 @@ async def build_rest(
     agent.handover.set_desired(agent.compute_ownership(core.loaded))
     log.info(
         "ownership computed",
-        node_rule=core.ownership.current.node_rule,
+        node_rule=core.node.ownership.current.node_rule,
         counts=agent.owner_counts(),
-        draining=core.ownership.current.drain_count(),
+        draining=core.node.ownership.current.drain_count(),
     )
 
     host, port = parse_host_port(config.debug_addr, "debug_addr")
@@ -156,9 +148,7 @@ def build_agent(
     config_state: ConfigState,
     node_name: str,
     backend: Backend,
-    inventory: InventoryState,
-    health: HealthMonitor,
-    ownership: OwnershipState,
+    node: NodeFacts,
     cdi: CdiProvider,
     mechanisms: Mapping[str, Mechanism],
     registry: CollectorRegistry,
@@ -168,23 +158,21 @@ def build_agent(
 ) -> Agent:
     """The agent with its handover, observers, loop-lag probe and scrape-time collectors."""
     handover = Handover(
-        ownership=ownership,
+        ownership=node.ownership,
         observe={mechanism.owner: functools.partial(observe, mechanism) for mechanism in mechanisms.values()},
         listener=HandoverEvents(events=events, registry=registry),
         long_wait_s=config_state.config.ownership.handover_warning_s,
     )
     # without API access unless given: utilization, orphans and the watchdog on what needs none
     observers = observers or build_observers(
-        config=config_state, backend=backend, inventory=inventory, mechanisms=mechanisms, registry=registry
+        config=config_state, backend=backend, inventory=node.inventory, mechanisms=mechanisms, registry=registry
     )
     loop_lag = LoopLagProbe()
     agent = Agent(
         config_state=config_state,
         node_name=node_name,
         backend=backend,
-        inventory=inventory,
-        health=health,
-        ownership=ownership,
+        node=node,
         cdi=cdi,
         mechanisms=mechanisms,
         labels=labels or StaticLabelSource({}),
@@ -193,13 +181,13 @@ def build_agent(
         loop_lag=loop_lag,
     )
     registry.register(
-        AgentCollector(devices=agent, health=health, ownership=ownership, config=config_state, loop_lag=loop_lag)
+        AgentCollector(
+            devices=agent, health=node.health, ownership=node.ownership, config=config_state, loop_lag=loop_lag
+        )
     )
     registry.register(
         GpuCollector(
-            inventory=inventory,
-            health=health,
-            ownership=ownership,
+            node=node,
             mechanisms=mechanisms,
             utilization=observers.utilization,
             config=config_state,

@@ -147,14 +147,6 @@ class Inventory:
         key = (a, b) if a <= b else (b, a)
         return self.links.get(key, Link(nvlinks=0, pcie=PcieLevel.SYSTEM))
 
-    def all_uuids(self) -> list[str]:
-        """Every device UUID on the node: GPUs and their MIG devices."""
-        out: list[str] = []
-        for gpu in self.gpus:
-            out.append(gpu.uuid)
-            out.extend(m.uuid for m in gpu.mig_devices)
-        return out
-
 
 def link_key(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a <= b else (b, a)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -47,7 +46,6 @@ TICK_S = 0.25
 SHOWN_HOLDERS = 3
 
 MECHANISMS = (Owner.DEVICE_PLUGIN, Owner.DRA)
-_INDEX_RULE = re.compile(r".*\.gpus\['(\d+)'\]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +88,13 @@ def next_grants(
                 drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=drain.derived)
             elif want is not drain.target:
                 drain = replace(drain, target=want)
+        elif had is Owner.NONE and want is not Owner.NONE:
+            # granted to nobody, but a drain derived at start and retargeted to none completed
+            # when its source let go: the other mechanism may still hold or advertise it
+            holder = _first_holder(gpu, want, observed, unknown_blocks=False)
+            drain = None if holder is None else Drain(source=holder, target=want, since=now)
         elif had is not want:
-            drain = None if had is Owner.NONE else Drain(source=had, target=want, since=now)
+            drain = Drain(source=had, target=want, since=now)
         if drain is not None:
             waiting = _waiting_for(gpu, drain, observed.get(drain.source, IDLE))
             drain = None if not waiting else replace(drain, waiting_for=waiting)
@@ -273,11 +276,7 @@ class Handover:
 
     def _check_index_overrides(self, desired: OwnershipTable) -> None:
         """An override by index now naming another GPU (NVML renumbers when one falls off the bus)."""
-        targets: dict[str, str] = {}
-        for gpu, rule in desired.rules.items():
-            match = _INDEX_RULE.fullmatch(rule)
-            if match is not None:
-                targets[rule] = gpu
+        targets = desired.index_overrides
         for rule, gpu in targets.items():
             old = self._index_targets.get(rule)
             if old is not None and old != gpu:

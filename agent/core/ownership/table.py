@@ -55,6 +55,9 @@ class OwnershipTable:
     node_rule: str = "cluster default"
     #: GPU UUID -> the rule that decided its desired owner (for ``config plan`` and /debug/state)
     rules: Mapping[str, str] = field(default_factory=dict)
+    #: the per-GPU overrides by index that decide a GPU's owner: rule (as in ``rules``) -> the GPU
+    #: that index names now (NVML renumbers when a GPU falls off the bus; the handover warns)
+    index_overrides: Mapping[str, str] = field(default_factory=dict)
     #: GPU UUID -> its drain (granted tables only)
     draining: Mapping[str, Drain] = field(default_factory=dict)
     #: per-GPU overrides that name no GPU on this node: inert until such a GPU appears
@@ -71,12 +74,6 @@ class OwnershipTable:
         or prepare; nothing else decides "is this GPU mine". A draining GPU is nobody's.
         """
         return self.owner_of(uuid) is owner and self.parents.get(uuid, uuid) not in self.draining
-
-    def gpus_granted_to(self, owner: Owner) -> frozenset[str]:
-        """Physical GPUs (no MIG devices) granted to ``owner``."""
-        return frozenset(
-            u for u, o in self.owners.items() if o is owner and u not in self.parents and u not in self.draining
-        )
 
     def state_of(self, uuid: str) -> str:
         """What /debug/state shows: the owner, or ``draining:<from>-><to>``."""
@@ -140,6 +137,7 @@ def compute_ownership(
     owners: dict[str, Owner] = {gpu.uuid: default for gpu in inventory.gpus}
     rules: dict[str, str] = {gpu.uuid: default_rule for gpu in inventory.gpus}
     inert: list[str] = []
+    by_index: set[str] = set()
     for key, owner in overrides.items():
         gpu = inventory.find(key)
         where = f"{rule_label}.gpus[{key!r}]"
@@ -148,6 +146,8 @@ def compute_ownership(
             continue
         owners[gpu.uuid] = owner
         rules[gpu.uuid] = where
+        if key.isdecimal():
+            by_index.add(where)
 
     parents: dict[str, str] = {}
     for gpu in inventory.gpus:
@@ -160,6 +160,7 @@ def compute_ownership(
         parents=parents,
         node_rule=rule_label,
         rules=rules,
+        index_overrides={where: uuid for uuid, where in rules.items() if where in by_index},
         inert_overrides=tuple(inert),
     )
 

@@ -7,9 +7,10 @@ File ``<state dir>/checkpoint.json``::
      "data": {"bootID": "...", "writtenAt": "...", "claims": [<claim>, ...]}}
 
 The checksum covers ``data`` in canonical JSON (sorted keys, no spaces, UTF-8), so a file
-cut short or edited by hand is detected. Writes are atomic: a hidden temp file in the same
-directory, fsync, rename over the target, fsync the directory; a failed write leaves the
-previous checkpoint intact. One write records a whole batch (the driver groups them).
+cut short or edited by hand is detected. Writes are atomic and durable
+(:func:`agent.base.atomicfile.replace_file`: a hidden temp file in the same directory, fsync,
+rename over the target, fsync the directory); a failed write leaves the previous checkpoint
+intact. One write records a whole batch (the driver groups them).
 
 Loading never crashes the agent over the file's content: a file that is truncated, not JSON,
 fails its checksum or its schema, or comes from a newer version of the agent is moved aside
@@ -37,7 +38,7 @@ from typing import Any, Literal
 
 import structlog
 
-from agent.base.atomicfile import fsync_directory
+from agent.base.atomicfile import replace_file, temp_target
 from agent.base.errors import AgentError, StartupError
 
 log = structlog.get_logger("agent.dra")
@@ -48,7 +49,6 @@ FILE_NAME = "checkpoint.json"
 MAX_BYTES = 32 * 1024 * 1024
 FILE_MODE = 0o600
 DIR_MODE = 0o750
-_TMP_MARK = ".tmp-"
 BOOT_ID_PATH = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -314,42 +314,15 @@ class CheckpointStore:
         """Replace the checkpoint atomically; returns the write time. Raises CheckpointError."""
         written_at = self._now()
         data = encode(claims, boot_id=boot_id, written_at=written_at)
-        tmp = self._write_temp(data)
-        self._commit(tmp)
-        return written_at
-
-    def _write_temp(self, data: bytes) -> Path:
         try:
             self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         except OSError as exc:
             raise CheckpointError(f"cannot create {self.directory}: {exc.strerror or exc}") from exc
-        tmp = self.directory / f".{FILE_NAME}{_TMP_MARK}{secrets.token_hex(4)}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            replace_file(self.path, data, mode=FILE_MODE)
         except OSError as exc:
             raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        return tmp
-
-    def _commit(self, tmp: Path) -> None:
-        try:
-            os.rename(tmp, self.path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
-        fsync_directory(self.directory)
+        return written_at
 
     def _remove_stale_temp_files(self) -> None:
         """Temp files of a write a crash interrupted (the checkpoint itself is intact)."""
@@ -358,7 +331,7 @@ class CheckpointStore:
         except OSError:
             return
         for name in names:
-            if name.startswith(f".{FILE_NAME}{_TMP_MARK}"):
+            if temp_target(name) == FILE_NAME:
                 with contextlib.suppress(OSError):
                     os.unlink(self.directory / name)
                     log.info("dra.checkpoint_temp_removed", file=name)

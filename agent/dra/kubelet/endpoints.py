@@ -42,8 +42,8 @@ log = structlog.get_logger("agent.dra")
 
 DRA_SOCKET = "dra.sock"
 REGISTRY_DIR = "plugins_registry"
-PLUGINS_DIR = "plugins"
-DEFAULT_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
+#: between attempts to serve a plugin socket that failed to start
+SERVE_BACKOFF = Backoff(initial_s=0.2, max_s=10.0)
 SELF_CHECK_S = 5.0
 
 
@@ -101,7 +101,7 @@ class KubeletPlugin:
         registration_socket: Path,
         dra_handlers: Sequence[Any],
         registration_handlers: Sequence[Any],
-        backoff: Backoff = DEFAULT_BACKOFF,
+        backoff: Backoff = SERVE_BACKOFF,
         self_check: Callable[[Path], Awaitable[None]] = _answers_prepare,
     ) -> None:
         # a path too long for a Unix socket fails at serve time (UnixGrpcServer), on /readyz:

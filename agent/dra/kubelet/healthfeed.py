@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from agent.base.feeds import Broadcast
 from agent.core.config.schema import Owner
 from agent.core.health.model import HealthState
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.dra.devices import DraDevice, dra_devices
 
 RESEND_S = 10.0
@@ -55,9 +53,7 @@ class HealthFeed:
         self,
         *,
         pool: str,
-        inventory: InventoryState,
-        ownership: OwnershipState,
-        health: HealthMonitor,
+        node: NodeFacts,
         resend_s: float = RESEND_S,
         timeout_s: int = TIMEOUT_S,
         max_streams: int = MAX_STREAMS,
@@ -65,9 +61,9 @@ class HealthFeed:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.pool = pool
-        self._inventory = inventory
-        self._ownership = ownership
-        self._health = health
+        self._inventory = node.inventory
+        self._ownership = node.ownership
+        self._health = node.health
         self.resend_s = resend_s
         self.timeout_s = timeout_s
         self._max_streams = max_streams

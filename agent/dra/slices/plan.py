@@ -1,6 +1,7 @@
 """What this node's ResourceSlices should hold, and the writes that get the API there. Pure.
 
-One pool per node (pool name = node name) with every DRA device whose GPU is granted to DRA.
+One pool per node (pool name = node name) with every DRA device whose GPU is granted to DRA
+(:func:`desired_slices`, from the inventory's devices, the granted ownership table and health).
 A healthy device is published as it is; an unhealthy one (health ``unknown`` counts as not
 healthy) is left out, or, where the cluster keeps device taints, published with a
 ``NoSchedule`` taint ``<driver>/unhealthy`` whose value says why. A pool with no devices has
@@ -19,6 +20,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from agent.core.config.schema import Owner
+from agent.core.health.model import HealthState
+from agent.core.health.monitor import HealthMonitor
+from agent.core.ownership.table import OwnershipTable
 from agent.dra.devices import DraDevice
 
 MAX_DEVICES = 128
@@ -132,6 +137,40 @@ def pool_devices(
         elif taints:
             out.append(SliceDevice.of(device, (Taint(taint_key(driver), label_value(cause)),)))
     return tuple(out)
+
+
+def desired_slices(
+    devices: Sequence[DraDevice],
+    *,
+    ownership: OwnershipTable,
+    health: HealthMonitor,
+    driver: str,
+    taints: bool | None,
+) -> tuple[tuple[SliceDevice, ...], ...] | None:
+    """The pool's slices: the devices whose GPU is granted to DRA, unhealthy ones left out or
+    tainted (``taints``: whether the cluster keeps taints); None while that is not known and a
+    device to publish is unhealthy (the caller finds out first)."""
+
+    def granted(gpu: str) -> bool:
+        return ownership.granted_to(gpu, Owner.DRA)
+
+    def cause(uuid: str) -> str | None:
+        return unhealthy_cause(health, uuid)
+
+    if taints is None and any(granted(d.gpu_uuid) and cause(d.uuid) is not None for d in devices):
+        return None
+    return split(pool_devices(devices, granted=granted, unhealthy_cause=cause, driver=driver, taints=bool(taints)))
+
+
+def unhealthy_cause(health: HealthMonitor, uuid: str) -> str | None:
+    """None for a healthy device; why it is not, for one that is unhealthy or of unknown health."""
+    state = health.state(uuid)
+    if state is HealthState.HEALTHY:
+        return None
+    if state is HealthState.UNKNOWN:
+        return "health unknown"
+    record = health.record(uuid)
+    return (record.cause if record else "") or "unhealthy"
 
 
 def split(devices: Sequence[SliceDevice]) -> tuple[tuple[SliceDevice, ...], ...]:

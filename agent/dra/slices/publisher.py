@@ -1,6 +1,6 @@
 """Keeps this node's ResourceSlices equal to what the node can offer through DRA.
 
-:class:`SlicePublisher` runs three things on the loop until cancelled:
+:class:`KubeSlicePublisher` runs three things on the loop until cancelled:
 
 * a *feed* task per change source (inventory, ownership, health) that kicks a sync;
 * a *watch* on our own slices (field selector ``spec.nodeName=<node>,spec.driver=<driver>``)
@@ -17,7 +17,7 @@ a dry-run create with a tainted device shows whether the server drops the field 
 ``DRADeviceTaints`` off); every real write is checked the same way. The answer is kept per
 ``resource.k8s.io`` version and found again after a re-discovery.
 
-:meth:`SlicePublisher.published_gpus` is what the handover checks against the device plugin's
+:meth:`KubeSlicePublisher.published_gpus` is what the handover checks against the device plugin's
 ListAndWatch: a GPU counts as published from the moment a write that includes it is attempted
 until a write without it has succeeded. Before the first successful list (the API server was
 unreachable since start) every GPU of the node counts as published: a slice from an earlier
@@ -39,12 +39,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from agent.base.backoff import Backoff
 from agent.base.feeds import Subscription
-from agent.core.config.schema import Owner
-from agent.core.health.model import HealthState
-from agent.core.health.monitor import HealthMonitor
-from agent.core.inventory.current import InventoryState
 from agent.core.mechanism import Readiness
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.dra.devices import dra_devices
 from agent.dra.slices.codec import parse_slice, slice_body
 from agent.dra.slices.plan import (
@@ -52,11 +48,11 @@ from agent.dra.slices.plan import (
     SliceDevice,
     StoredSlice,
     Taint,
+    desired_slices,
     generate_name,
     plan,
-    pool_devices,
-    split,
     taint_key,
+    unhealthy_cause,
 )
 from agent.kube.client import METADATA_ACCEPT, KubeClient
 from agent.kube.discovery import ResourceApi
@@ -108,16 +104,14 @@ class SliceMetrics:
         )
 
 
-class SlicePublisher:
+class KubeSlicePublisher:
     def __init__(
         self,
         *,
         client: KubeClient,
         node_name: str,
         driver_name: str,
-        inventory: InventoryState,
-        ownership: OwnershipState,
-        health: HealthMonitor,
+        node: NodeFacts,
         registry: CollectorRegistry | None = None,
         resource_api: ResourceApi | None = None,
         backoff: Backoff | None = None,
@@ -128,9 +122,9 @@ class SlicePublisher:
         self._client = client
         self.node_name = node_name
         self.driver_name = driver_name
-        self._inventory = inventory
-        self._ownership = ownership
-        self._health = health
+        self._inventory = node.inventory
+        self._ownership = node.ownership
+        self._health = node.health
         self._api = resource_api or ResourceApi(client)
         self._backoff = backoff or Backoff()
         self._sleep = sleep
@@ -322,31 +316,13 @@ class SlicePublisher:
 
     def _desired(self, version: str) -> tuple[tuple[SliceDevice, ...], ...] | None:
         """The pool's slices; None when a device is unhealthy and taint support is not known yet."""
-        table = self._ownership.current
-        devices = dra_devices(self._inventory.current)
-        supported = self._taints.get(version)
-        if supported is None and any(
-            table.granted_to(d.gpu_uuid, Owner.DRA) and self._unhealthy_cause(d.uuid) is not None for d in devices
-        ):
-            return None
-        return split(
-            pool_devices(
-                devices,
-                granted=lambda gpu: table.granted_to(gpu, Owner.DRA),
-                unhealthy_cause=self._unhealthy_cause,
-                driver=self.driver_name,
-                taints=bool(supported),
-            )
+        return desired_slices(
+            dra_devices(self._inventory.current),
+            ownership=self._ownership.current,
+            health=self._health,
+            driver=self.driver_name,
+            taints=self._taints.get(version),
         )
-
-    def _unhealthy_cause(self, uuid: str) -> str | None:
-        state = self._health.state(uuid)
-        if state is HealthState.HEALTHY:
-            return None
-        if state is HealthState.UNKNOWN:
-            return "health unknown"
-        record = self._health.record(uuid)
-        return (record.cause if record else "") or "unhealthy"
 
     async def _apply(
         self, version: str, node_uid: str, current: Plan, desired: tuple[tuple[SliceDevice, ...], ...]
@@ -447,7 +423,7 @@ class SlicePublisher:
     async def _probe_taints(self, version: str, node_uid: str) -> None:
         """Ask with a dry-run create whether the server keeps a device's taint."""
         probe = next(
-            (d for d in dra_devices(self._inventory.current) if self._unhealthy_cause(d.uuid) is not None), None
+            (d for d in dra_devices(self._inventory.current) if unhealthy_cause(self._health, d.uuid) is not None), None
         )
         assert probe is not None
         device = SliceDevice.of(probe, (Taint(taint_key(self.driver_name), "probe"),))

@@ -26,11 +26,10 @@ from prometheus_client.registry import Collector
 
 from agent.core.config.current import ConfigState
 from agent.core.health.model import HealthState
-from agent.core.health.monitor import OTHER_XID, HealthMonitor
-from agent.core.inventory.current import InventoryState
+from agent.core.health.monitor import OTHER_XID
 from agent.core.inventory.sample import MIB
 from agent.core.mechanism import Mechanism
-from agent.core.ownership.table import OwnershipState
+from agent.core.node import NodeFacts
 from agent.observe.utilization import Utilization
 
 #: longest label value taken from outside
@@ -52,18 +51,16 @@ class GpuCollector(Collector):
     def __init__(
         self,
         *,
-        inventory: InventoryState,
-        health: HealthMonitor,
-        ownership: OwnershipState,
+        node: NodeFacts,
         mechanisms: Mapping[str, Mechanism],
         utilization: UtilizationSource,
         config: ConfigState,
         pod_uid: Callable[[str, str], str] = lambda namespace, name: "",
         claim_pods: Callable[[str, str, str], Sequence[tuple[str, str]]] = lambda namespace, name, uid: (),
     ) -> None:
-        self._inventory = inventory
-        self._health = health
-        self._ownership = ownership
+        self._inventory = node.inventory
+        self._health = node.health
+        self._ownership = node.ownership
         self._mechanisms = mechanisms
         self._utilization = utilization
         self._config = config
