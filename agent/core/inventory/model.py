@@ -51,6 +51,52 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class MigPlacement:
+    """Where a GPU instance sits: memory slices ``[start, start + size)`` of its parent GPU.
+
+    NVML's ``nvmlGpuInstancePlacement_t``. Two GPU instances on one GPU conflict exactly when
+    their slice ranges overlap.
+    """
+
+    start: int
+    size: int
+
+    @property
+    def slices(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def overlaps(self, other: MigPlacement) -> bool:
+        return self.start < other.start + other.size and other.start < self.start + self.size
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfile:
+    """A GPU-instance profile a MIG-capable GPU offers, with every placement it may take.
+
+    From NVML (``nvmlDeviceGetGpuInstanceProfileInfoV`` and
+    ``nvmlDeviceGetGpuInstancePossiblePlacements_v2``) or from a simulated preset.
+    """
+
+    #: e.g. "1g.10gb", "1g.10gb+me" (the vocabulary of static MIG devices' ``profile``)
+    name: str
+    #: ``nvmlGpuInstanceProfileInfo_t.id`` (nvidia-smi's profile ID): what creating an instance takes
+    profile_id: int
+    compute_slices: int
+    #: memory slices one instance occupies (its placements' size)
+    memory_slices: int
+    memory_mib: int
+    multiprocessors: int
+    #: how many instances of this profile the GPU holds at most (1 for a "+me" profile)
+    max_instances: int
+    placements: tuple[MigPlacement, ...]
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpeg_engines: int = 0
+    ofa_engines: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class MigDevice:
     """One MIG device (a GPU instance + compute instance pair) carved from a parent GPU."""
 
@@ -64,6 +110,9 @@ class MigDevice:
     # capability minors under /dev/nvidia-caps for this GI and CI (None when unknown)
     gi_cap_minor: int | None = None
     ci_cap_minor: int | None = None
+    #: the GPU-instance profile ID and placement, where the backend knows them
+    profile_id: int | None = None
+    placement: MigPlacement | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +135,10 @@ class Gpu:
     #: the PCIe root complex the GPU hangs off, as ``resource.kubernetes.io/pcieRoot`` spells it
     #: (e.g. "pci0000:00"); None when unknown
     pcie_root: str | None = None
+    #: memory slices of a MIG-capable GPU (8; 4 on an A30), 0 when it cannot do MIG
+    mig_memory_slices: int = 0
+    #: the GPU-instance profiles a MIG-capable GPU offers (empty when it cannot do MIG)
+    mig_profiles: tuple[MigProfile, ...] = ()
 
     @property
     def short_bus_id(self) -> str:
