@@ -95,6 +95,18 @@ class RawGrpc:
     async def call(self, method: str, data: bytes = b"", within_s: float = 5.0) -> Answer:
         return await self.answer(self.start(method, data), within_s)
 
+    async def events(self, within_s: float = 5.0) -> list[h2.events.Event]:
+        """What the server's first answer to this connection holds, up to its SETTINGS at least."""
+        events: list[h2.events.Event] = []
+        async with asyncio.timeout(within_s):
+            while not any(isinstance(e, h2.events.RemoteSettingsChanged) for e in events):
+                data = await self._reader.read(65536)
+                if not data:
+                    break
+                events += self._h2.receive_data(data)
+        self._flush()
+        return events
+
     async def closed_by_peer(self, within_s: float) -> bool:
         """Whether the server closes this connection within ``within_s`` (reads and drops its frames)."""
         try:

@@ -30,17 +30,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from grpclib.config import Configuration
 from grpclib.const import Handler
-from grpclib.protocol import H2Protocol
+from grpclib.protocol import Connection, EventsProcessor, H2Protocol
 from grpclib.server import Server
-from h2.settings import SettingCodes
+from h2.connection import H2Connection
+from h2.settings import SettingCodes, Settings
 
 from agent.base.errors import StartupError
-from agent.grpc.coalesce import coalesce_writes
+from agent.grpc.coalesce import CoalescingTransport
 from agent.grpc.connections import CappedProtocol, ConnectionCap
 from agent.grpc.limits import CallGate, GrpcLimits
 
@@ -94,6 +95,54 @@ def _inode(path: Path) -> int | None:
         return None
 
 
+class _ServerProtocol(H2Protocol):
+    """grpclib's server protocol, writing once per loop turn and opening with every setting.
+
+    Writes go through :class:`~agent.grpcwrite.CoalescingTransport`. grpclib opens with h2's
+    defaults (100 concurrent streams, 64 KiB stream windows) and sends ours in later SETTINGS
+    frames; until the peer reads those, the two sides hold different stream caps. A peer acts on
+    the first frame it reads, and h2 enforces a later frame's values from the peer's first ACK
+    on (``Settings.acknowledge`` applies one pending value per ACK, whatever frame it answers).
+    grpcio then dispatched the calls waiting for a new connection under 100, refused those over
+    our cap inside its own transport and retried them on the same connection at once, a loop
+    that left every call unwritten until its deadline; and streams a peer opened under 100 ended
+    the connection (h2 takes a stream over its cap for a connection error). Opening with the cap
+    and the window leaves nothing to disagree on and nothing pending (issue 19).
+    """
+
+    #: HTTP/2 MAX_CONCURRENT_STREAMS, set per server by :func:`_server_protocol`
+    max_streams = 100
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # grpclib 0.4's H2Protocol.connection_made, with the settings in place before
+        # initiate_connection sends them (Unix sockets only, so no TCP_NODELAY)
+        h2 = H2Connection(config=self.h2_config)
+        values = {
+            SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
+            SettingCodes.MAX_HEADER_LIST_SIZE: h2.DEFAULT_MAX_HEADER_LIST_SIZE,
+            SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size,
+        }
+        h2.local_settings = Settings(client=False, initial_values=values)
+        h2.initiate_connection()
+        # the connection's own window is no setting: it opens at 64 KiB and grows by WINDOW_UPDATE
+        increment = self.config.http2_connection_window_size - h2.inbound_flow_control_window
+        if increment > 0:
+            h2.increment_flow_control_window(increment)
+        writes = CoalescingTransport(transport, asyncio.get_running_loop())
+        self.connection = Connection(h2, cast(asyncio.Transport, writes), config=self.config)
+        self.connection.flush()
+        self.connection.initialize()
+        self.processor = EventsProcessor(self.handler, self.connection)
+
+
+def _server_protocol(protocol: H2Protocol, max_streams: int) -> _ServerProtocol:
+    """The protocol grpclib's server built, with its request handler, made a :class:`_ServerProtocol`."""
+    protocol.__class__ = _ServerProtocol
+    assert isinstance(protocol, _ServerProtocol)
+    protocol.max_streams = max_streams
+    return protocol
+
+
 class _Connection(CappedProtocol):
     """One accepted connection: grpclib's protocol inside, closed once idle for the idle timeout."""
 
@@ -101,20 +150,11 @@ class _Connection(CappedProtocol):
         super().__init__(inner, cap, start_on_data=True)
         self._h2 = inner
         self._idle_timeout_s = limits.idle_timeout_s
-        self._max_streams = limits.max_streams_per_connection
         self._timer: asyncio.TimerHandle | None = None
         self._busy_at = 0.0
 
     def busy(self) -> bool:
         return self.started and bool(self._h2.processor.streams)
-
-    def _start(self, transport: asyncio.BaseTransport) -> None:
-        super()._start(transport)
-        # h2 lets a peer open 100 streams at once per connection; every one that reaches
-        # grpclib costs a task and a response, so a burst of them is one long loop iteration
-        connection = self._h2.connection
-        connection._connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: self._max_streams})
-        connection.flush()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -186,9 +226,11 @@ class _Server(Server):
         self.connections = ConnectionCap(limits.max_connections, name=name)
 
     def _protocol_factory(self) -> _Connection:  # type: ignore[override]
-        # one send per loop turn for a response's frames (agent/grpc/coalesce.py)
-        inner = coalesce_writes(super()._protocol_factory())
-        return _Connection(inner, self.connections, self.gate.limits)
+        # h2 lets a peer open 100 streams at once per connection; every one that reaches
+        # grpclib costs a task and a response, so a burst of them is one long loop iteration
+        limits = self.gate.limits
+        inner = _server_protocol(super()._protocol_factory(), limits.max_streams_per_connection)
+        return _Connection(inner, self.connections, limits)
 
     def close_connections(self) -> None:
         for connection in list(self.connections.open):
