@@ -42,6 +42,7 @@ GRPCLIB_VERSION = "0.4.9"
 H2_VERSION = "4.4.1"
 
 #: what to read again in a new grpclib or h2 before changing the versions above: each is used here
+#: (paths in vmagamedov/grpclib at tag v0.4.9 and python-hyper/h2 at tag v4.4.1)
 RECHECK = (
     "grpclib/protocol.py H2Protocol.connection_made: ServerProtocol.connection_made reproduces it",
     "grpclib/protocol.py H2Protocol.__init__(handler, config, h2_config): make_server rebuilds the protocol",
@@ -51,8 +52,8 @@ RECHECK = (
     "grpclib/server.py Stream._stream and grpclib/protocol.py Stream.recv_data, Buffer.read "
     "(AssertionError when the stream ends inside a read): recv_data",
     "grpclib/protocol.py Peer._transport, one per connection: connection_of",
-    "h2/connection.py H2Connection.__init__ (local_settings, DEFAULT_MAX_HEADER_LIST_SIZE), "
-    "initiate_connection, increment_flow_control_window; h2/settings.py Settings(initial_values=): "
+    "src/h2/connection.py H2Connection.__init__ (local_settings, DEFAULT_MAX_HEADER_LIST_SIZE), "
+    "initiate_connection, increment_flow_control_window; src/h2/settings.py Settings(initial_values=): "
     "ServerProtocol.connection_made",
 )
 
