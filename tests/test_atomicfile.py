@@ -21,10 +21,14 @@ def test_data_is_fsynced_before_the_rename_and_the_rename_before_the_directory_f
     assert (tmp_path / "a.json").read_bytes() == b"new"
 
 
-def test_a_batch_leaves_the_directory_fsync_to_the_caller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_write_that_need_not_be_durable_is_atomic_without_any_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ops = record_disk_ops(monkeypatch, tmp_path)
-    replace_file(tmp_path / "a.json", b"new", mode=0o644, sync_directory=False)
-    assert ops == [("write", "a.json"), ("fsync-file", "a.json"), ("rename", "a.json")]
+    replace_file(tmp_path / "a.json", b"new", mode=0o644, durable=False)
+    assert ops == [("write", "a.json"), ("rename", "a.json")]
+    assert (tmp_path / "a.json").read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["a.json"]
 
 
 @pytest.mark.parametrize("failing", ["write", "fsync", "rename"])

@@ -16,6 +16,7 @@ import pytest
 
 from agent.dra.claims.checkpoint import FILE_NAME, CheckpointError, CheckpointStore
 from agent.kube.claims.model import ClaimRef
+from tests.disk_ops import record_disk_ops
 from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
 from tests.test_plugin_fakes import wait_for
 
@@ -61,6 +62,47 @@ async def test_prepared_claims_survive_a_restart(h: DraHarness) -> None:
     assert h.claim_specs() == {a.uid, b.uid}
     checkpoint = h.m.debug_state()["checkpoint"]
     assert checkpoint["loaded"] == "ok" and checkpoint["version"] == 1  # type: ignore[index]
+
+
+async def test_a_prepare_fsyncs_the_checkpoint_not_the_claim_specs(
+    h: DraHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint is the durable record; the claim specs it lists are rebuilt from it."""
+    ops = record_disk_ops(monkeypatch, Path(os.path.commonpath([h.cdi_root, h.checkpoint])))
+    ref = h.claims.add("a", result("gpu-0"))
+    await h.prepare(ref)
+    spec = f"k8s.gpu-node-agent.nvidia.com-claim_{ref.uid}.json"
+    assert ops == [
+        ("write", spec),
+        ("rename", spec),
+        ("write", FILE_NAME),
+        ("fsync-file", FILE_NAME),
+        ("rename", FILE_NAME),
+        ("fsync-dir", h.checkpoint.parent.name),
+    ]
+    ops.clear()
+    await h.unprepare(ref)
+    assert [op for op, _ in ops] == ["write", "fsync-file", "rename", "fsync-dir"]  # the checkpoint's only
+
+
+@pytest.mark.parametrize("loss", ["empty", "missing", "other-content"])
+async def test_claim_specs_a_power_loss_damaged_are_rebuilt_from_the_checkpoint(h: DraHarness, loss: str) -> None:
+    """Unsynced claim specs on a CDI directory on disk may come back empty, missing or old."""
+    a, b, answers = await two_claims(h)
+    before = spec_bytes(h)
+    spec = h.cdi_root / f"k8s.gpu-node-agent.nvidia.com-claim_{a.uid}.json"
+    await h.stop()
+    if loss == "empty":
+        spec.write_bytes(b"")
+    elif loss == "missing":
+        spec.unlink()
+    else:
+        spec.write_bytes(before[f"k8s.gpu-node-agent.nvidia.com-claim_{b.uid}.json"])
+    await h.restart()
+    await reconciled(h)
+    assert spec_bytes(h) == before
+    response = await h.prepare(a, b)
+    assert {uid: answer(response, uid) for uid in answers} == answers
 
 
 @pytest.mark.parametrize("damage", ["truncate", "edit", "newer-version"])

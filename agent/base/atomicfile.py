@@ -5,6 +5,12 @@ sees either the old file or the new one, never a mix: a hidden temp file in the 
 directory, write, fsync the file, rename over the target, fsync the directory. Callers wrap
 the ``OSError`` it raises in their own error (with the operation and the path they care about).
 
+``durable=False`` keeps the atomicity and drops both fsyncs: a reader still sees the old file or
+the new one, and a crash of the *process* loses nothing (the kernel has the data), but a crash
+of the *kernel* (power loss) may leave the old file, no file or an empty one. It is for files
+that a durable record elsewhere can rebuild: the claims' CDI specs, which the DRA checkpoint
+records (``docs/cdi.md``, "Durability").
+
 All functions block (file I/O): callers run them off the event loop.
 """
 
@@ -20,11 +26,11 @@ from pathlib import Path
 TEMP_MARK = ".tmp-"
 
 
-def replace_file(path: Path, data: bytes, *, mode: int, sync_directory: bool = True) -> None:
-    """Replace ``path`` with ``data`` atomically and durably; file permissions ``mode`` exactly.
+def replace_file(path: Path, data: bytes, *, mode: int, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically and (unless ``durable=False``, see the module
+    docstring) durably; file permissions ``mode`` exactly.
 
     On failure raises ``OSError``; the temp file is gone and the old file untouched.
-    ``sync_directory=False`` leaves the directory fsync to the caller (one for a batch of files).
     """
     directory = path.parent
     tmp = directory / f".{path.name}{TEMP_MARK}{secrets.token_hex(4)}"
@@ -35,7 +41,8 @@ def replace_file(path: Path, data: bytes, *, mode: int, sync_directory: bool = T
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, path)
@@ -43,7 +50,7 @@ def replace_file(path: Path, data: bytes, *, mode: int, sync_directory: bool = T
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    if sync_directory:
+    if durable:
         fsync_directory(directory)
 
 

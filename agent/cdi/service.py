@@ -227,7 +227,8 @@ class CdiService:
         self._source = source
 
     async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
-        """Write several claims' specs in one worker-thread hop and one directory fsync.
+        """Write several claims' specs in one worker-thread hop, atomically but without fsync (the
+        DRA checkpoint written after them is their durable record; see ``docs/cdi.md``).
 
         Each claim succeeds or fails alone: its value is one qualified name per device, in
         order, or the CdiError that stopped it (nothing is written for it then).
@@ -262,14 +263,11 @@ class CdiService:
             driver = self._reconciler.discover(inventory)
         except CdiError as exc:
             return dict.fromkeys(claims, exc)
-        try:
-            for uid, claim in claims.items():
-                try:
-                    out[uid] = self._write_claim(uid, claim, inventory, driver)
-                except CdiError as exc:
-                    out[uid] = exc
-        finally:
-            self._writer.sync_directory()
+        for uid, claim in claims.items():
+            try:
+                out[uid] = self._write_claim(uid, claim, inventory, driver)
+            except CdiError as exc:
+                out[uid] = exc
         return out
 
     def _write_claim(
@@ -280,11 +278,11 @@ class CdiService:
         claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
-        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, sync_directory=False)
+        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, durable=False)
         return [qualified_name(kind, claim.names[d]) for d in devices]
 
     async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
-        """Remove several claims' specs in one hop and one directory fsync; per claim, the error if any."""
+        """Remove several claims' specs in one hop (no fsync, as above); per claim, the error if any."""
         out: dict[str, CdiError | None] = {}
         valid: list[str] = []
         for uid in claim_uids:
@@ -308,15 +306,12 @@ class CdiService:
 
     def _remove_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:
         out: dict[str, CdiError | None] = {}
-        try:
-            for uid in claim_uids:
-                try:
-                    self._writer.remove(transient_spec_file_name(self._config.claim_kind, uid), sync_directory=False)
-                    out[uid] = None
-                except CdiError as exc:
-                    out[uid] = exc
-        finally:
-            self._writer.sync_directory()
+        for uid in claim_uids:
+            try:
+                self._writer.remove(transient_spec_file_name(self._config.claim_kind, uid), durable=False)
+                out[uid] = None
+            except CdiError as exc:
+                out[uid] = exc
         return out
 
     def prepared_claims(self) -> dict[str, ClaimDevices] | None:

@@ -3,7 +3,8 @@
 * Writes are atomic (:func:`agent.base.atomicfile.replace_file`): a hidden temp file in the same
   directory (runtimes only read names ending in ``.json``/``.yaml``), fsync, rename over the
   target, fsync the directory. A failed write (read-only, full disk) leaves the previous file as
-  it was.
+  it was. Claim specs are written and removed with ``durable=False`` (no fsync): the DRA
+  checkpoint is their durable record, and the reconciler rebuilds them from it.
 * Files are 0644, a directory the writer creates is 0755.
 * The writer owns exactly the files named after its kinds (``<vendor>-<class>.json`` and
   ``<vendor>-<class>_<id>.json``); it refuses to write or remove any other name, and it
@@ -69,14 +70,14 @@ def check_target(path: Path) -> bool:
     return True
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE, sync_directory: bool = True) -> None:
+def atomic_write(path: Path, data: bytes, *, mode: int = FILE_MODE, durable: bool = True) -> None:
     """Replace ``path`` with ``data`` atomically; on failure the old file is untouched.
 
-    ``sync_directory=False`` leaves the directory fsync to the caller (one for a batch of files).
+    ``durable=False``: no fsync (see :mod:`agent.base.atomicfile`).
     """
     check_target(path)
     try:
-        replace_file(path, data, mode=mode, sync_directory=sync_directory)
+        replace_file(path, data, mode=mode, durable=durable)
     except OSError as exc:
         raise SpecWriteError(f"cannot write {path}: {_reason(exc)}") from exc
 
@@ -158,10 +159,10 @@ class SpecWriter:
         except OSError as exc:
             raise SpecWriteError(f"cannot read {path}: {_reason(exc)}") from exc
 
-    def write(self, name: str, spec: cdi_spec.Spec, *, sync_directory: bool = True) -> bool:
+    def write(self, name: str, spec: cdi_spec.Spec, *, durable: bool = True) -> bool:
         """Put ``spec`` at ``name``; False when the file already held exactly this. Validates first.
 
-        ``sync_directory=False``: the caller calls :meth:`sync_directory` after a batch.
+        ``durable=False``: atomic, but neither the file nor the directory is fsynced.
         """
         path = self._path(name)
         cdi_spec.check(spec)
@@ -170,15 +171,14 @@ class SpecWriter:
         if self.read(name) == data:
             return False
         self._check_conflicts(name, spec)
-        atomic_write(path, data, sync_directory=sync_directory)
+        atomic_write(path, data, durable=durable)
         return True
 
-    def sync_directory(self) -> None:
-        """Make the renames and removals of a batch durable (one fsync of the directory)."""
-        fsync_directory(self.directory)
+    def remove(self, name: str, *, durable: bool = True) -> bool:
+        """Delete an owned file; False when it was already gone (idempotent).
 
-    def remove(self, name: str, *, sync_directory: bool = True) -> bool:
-        """Delete an owned file; False when it was already gone (idempotent)."""
+        ``durable=False``: the directory is not fsynced (a power loss may bring the file back).
+        """
         path = self._path(name)
         if not check_target(path):
             return False
@@ -188,7 +188,7 @@ class SpecWriter:
             return False
         except OSError as exc:
             raise SpecWriteError(f"cannot remove {path}: {_reason(exc)}") from exc
-        if sync_directory:
+        if durable:
             fsync_directory(self.directory)
         return True
 
