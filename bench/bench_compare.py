@@ -172,11 +172,19 @@ STOCK_STACK = (
 
 @contextlib.asynccontextmanager
 async def agent_process(
-    work: Path, name: str, config: str, *, args: tuple[str, ...] = (), register: bool = True, stock: bool = False
+    work: Path,
+    name: str,
+    config: str,
+    *,
+    args: tuple[str, ...] = (),
+    register: bool = True,
+    stock: bool = False,
+    trace: Path | None = None,
 ) -> AsyncIterator[Agent]:
     """``python -m agent run --simulated`` in ``work/name`` with a fake kubelet; yields once ready.
 
     ``stock``: on the standard event loop and betterproto's own codec (what the floor runs on).
+    ``trace``: through ``bench/prepare_trace.py``, each NodePrepareResources traced into that file.
     """
     root = work / name
     kubelet_root = root / "k"
@@ -193,9 +201,13 @@ async def agent_process(
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
     if stock:
         env["GPU_AGENT_EVENT_LOOP"] = "asyncio"
+    module = ("-m", "agent")
+    if trace is not None:
+        env["PREPARE_TRACE"] = str(trace)
+        module = ("-m", "bench.prepare_trace")
     command = [
         sys.executable,
-        *(("-c", STOCK_STACK) if stock else ("-m", "agent")),
+        *(("-c", STOCK_STACK) if stock else module),
         "run",
         "--simulated",
         "--config",

@@ -113,3 +113,35 @@ def dra_prepare_rounds(socket: str, rounds: int, batch: int, namespace: str) -> 
             timed(f"prepare {batch}", stub.NodePrepareResources, dra.NodePrepareResourcesRequest(claims=many))
             timed(f"unprepare {batch}", stub.NodeUnprepareResources, dra.NodeUnprepareResourcesRequest(claims=many))
     return out
+
+
+def dra_prepare_sizes(socket: str, rounds: int, sizes: list[int], namespace: str) -> dict[str, list[float]]:
+    """Per round and size, on fresh claims: prepare ``size`` claims in one call, then unprepare them.
+
+    Round ``r`` and size ``n`` use claims ``r<r>s<n>-c<i>``; the caller puts them on the API server.
+    """
+    out: dict[str, list[float]] = {}
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = dra_grpc.DRAPluginStub(channel)
+        stub.NodePrepareResources(dra.NodePrepareResourcesRequest(), timeout=10)  # connection warm-up
+        for r in range(rounds):
+            for size in sizes:
+                claims = [
+                    dra.Claim(namespace=namespace, name=f"r{r}s{size}-c{i}", uid=f"uid-r{r}s{size}-c{i}")
+                    for i in range(size)
+                ]
+                for key, call, request in (
+                    (f"prepare {size}", stub.NodePrepareResources, dra.NodePrepareResourcesRequest(claims=claims)),
+                    (
+                        f"unprepare {size}",
+                        stub.NodeUnprepareResources,
+                        dra.NodeUnprepareResourcesRequest(claims=claims),
+                    ),
+                ):
+                    started = time.perf_counter()
+                    response = call(request, timeout=45)
+                    out.setdefault(key, []).append(time.perf_counter() - started)
+                    errors = [c.error for c in response.claims.values() if c.error]
+                    if errors:
+                        raise RuntimeError(f"{key}: {errors[:3]}")
+    return out
