@@ -1,9 +1,10 @@
 """Records the durability-relevant system calls of a write; holds no tests.
 
-:func:`record_disk_ops` wraps ``os.write``, ``os.fsync`` and ``os.rename`` for the rest of a
-test and returns the list they append to, so a test can check the order a durable write
-promises: the data written, the file fsynced, the rename, the directory fsynced. Only calls
-on paths under ``root`` are recorded; a temp file counts as the file it replaces.
+:func:`record_disk_ops` wraps ``os.write``, ``os.pwrite``, ``os.fsync``, ``os.fdatasync`` and
+``os.rename`` for the rest of a test and returns the list they append to, so a test can check the
+order a durable write promises: the data written, the file fsynced, the rename, the directory
+fsynced. Only calls on paths under ``root`` are recorded; a temp file counts as the file it
+replaces.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from agent.base.atomicfile import temp_target
 
 
 def record_disk_ops(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[tuple[str, str]]:
-    """(operation, file name) per call: ``write``, ``fsync-file``, ``rename``, ``fsync-dir``;
-    consecutive writes of one file count once."""
+    """(operation, file name) per call: ``write`` (``os.write`` or ``os.pwrite``), ``fsync-file``,
+    ``fdatasync``, ``rename``, ``fsync-dir``; consecutive writes of one file count once."""
     ops: list[tuple[str, str]] = []
     real_write, real_fsync, real_rename = os.write, os.fsync, os.rename
+    real_pwrite, real_fdatasync = os.pwrite, os.fdatasync
 
     def note(op: str, path: str | os.PathLike[str]) -> None:
         path = Path(path)
@@ -38,6 +40,14 @@ def record_disk_ops(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[tuple[s
         note("write", fd_path(fd))
         return real_write(fd, data)
 
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        note("write", fd_path(fd))
+        return real_pwrite(fd, data, offset)
+
+    def fdatasync(fd: int) -> None:
+        note("fdatasync", fd_path(fd))
+        real_fdatasync(fd)
+
     def fsync(fd: int) -> None:
         note("fsync-dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync-file", fd_path(fd))
         real_fsync(fd)
@@ -47,6 +57,8 @@ def record_disk_ops(monkeypatch: pytest.MonkeyPatch, root: Path) -> list[tuple[s
         real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", rename)
     return ops

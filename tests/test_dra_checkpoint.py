@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.base.slotfile import SUFFIX as SLOTS_SUFFIX
 from agent.dra.claims.checkpoint import (
     FILE_NAME,
     CheckpointError,
@@ -19,9 +20,11 @@ from agent.dra.claims.checkpoint import (
     encode,
     read_boot_id,
 )
+from tests.checkpoint_files import put_content
 from tests.disk_ops import record_disk_ops
 
 NOW = "2026-12-01T10:00:00.000Z"
+SLOTS = FILE_NAME + SLOTS_SUFFIX
 
 
 def claim(uid: str = "u1", **changes: object) -> PreparedClaim:
@@ -52,8 +55,9 @@ def test_round_trip_keeps_every_field(tmp_path: Path) -> None:
     assert loaded.status == "ok" and loaded.boot_id == "boot-a" and loaded.written_at == NOW
     assert loaded.claims == {"u1": claims[0], "u2": claims[1]}
     assert loaded.claims["u2"].devices[0].is_mig
-    assert sorted(os.listdir(tmp_path)) == [FILE_NAME]  # no temp file left
+    assert sorted(os.listdir(tmp_path)) == [FILE_NAME, SLOTS]  # no temp file left
     assert os.stat(tmp_path / FILE_NAME).st_mode & 0o777 == 0o600
+    assert os.stat(tmp_path / SLOTS).st_mode & 0o777 == 0o600
 
 
 def test_missing_is_a_fresh_start(tmp_path: Path) -> None:
@@ -76,12 +80,13 @@ def test_an_unusable_file_is_moved_aside_never_raised(tmp_path: Path, damage: ob
     s = store(tmp_path)
     s.write([claim()], boot_id="b")
     raw = (tmp_path / FILE_NAME).read_bytes()
-    (tmp_path / FILE_NAME).write_bytes(damage(raw))  # type: ignore[operator]
+    put_content(tmp_path / FILE_NAME, damage(raw))  # type: ignore[operator]
     loaded = s.load()
     assert loaded.status == "corrupt" and problem in loaded.problem
     assert loaded.moved_to is not None and loaded.moved_to.name == f"{FILE_NAME}.corrupt-20261201T100000000Z"
     assert loaded.moved_to.read_bytes() == damage(raw)  # type: ignore[operator]
-    assert not (tmp_path / FILE_NAME).exists() and loaded.claims == {}
+    assert (tmp_path / f"{FILE_NAME}.corrupt-20261201T100000000Z{SLOTS_SUFFIX}").exists()  # its record too
+    assert not (tmp_path / FILE_NAME).exists() and not (tmp_path / SLOTS).exists() and loaded.claims == {}
     again = s.load()  # twice in a row (a crash loop would look like this): a second move, no error
     assert again.status == "missing"
 
@@ -119,7 +124,22 @@ class _Crash(BaseException):
     """The process dies: no cleanup runs."""
 
 
-def test_a_crashed_write_leaves_the_old_checkpoint_and_its_temp_file_is_removed(
+def test_a_write_torn_by_a_crash_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A power loss in the middle of the in-place write: that slot's record no longer checks."""
+    s = store(tmp_path)
+    s.write([claim("old")], boot_id="b")
+    s.write([claim("new")], boot_id="b")  # into the second slot
+    slots = (tmp_path / SLOTS).read_bytes()
+    half = len(slots) // 2
+    torn = slots[:half] + slots[half : half + 200] + b"\0" * 50 + slots[half + 250 :]
+    (tmp_path / SLOTS).write_bytes(torn)
+    (tmp_path / FILE_NAME).unlink()  # the copy was not replaced either
+    loaded = store(tmp_path).load()
+    assert loaded.status == "ok" and set(loaded.claims) == {"old"}
+    assert json.loads((tmp_path / FILE_NAME).read_bytes())["data"]["claims"][0]["uid"] == "old"  # copy again
+
+
+def test_a_crash_after_the_record_is_synced_keeps_the_write_and_its_temp_file_is_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     s = store(tmp_path)
@@ -128,22 +148,45 @@ def test_a_crashed_write_leaves_the_old_checkpoint_and_its_temp_file_is_removed(
     def crash(*args: object, **kwargs: object) -> None:
         raise _Crash
 
-    monkeypatch.setattr(os, "rename", crash)
+    monkeypatch.setattr(os, "rename", crash)  # the copy's rename, after the slot's fdatasync
     with pytest.raises(_Crash):
         s.write([claim("new")], boot_id="b")
     monkeypatch.undo()
-    (tmp,) = (p for p in tmp_path.iterdir() if p.name != FILE_NAME)
+    (tmp,) = (p for p in tmp_path.iterdir() if p.name not in (FILE_NAME, SLOTS))
     assert tmp.name.startswith(".")
-    loaded = s.load()
-    assert set(loaded.claims) == {"old"} and not tmp.exists()
+    loaded = store(tmp_path).load()
+    assert set(loaded.claims) == {"new"} and not tmp.exists()
+    assert json.loads((tmp_path / FILE_NAME).read_bytes())["data"]["claims"][0]["uid"] == "new"
 
 
 def test_a_write_is_durable_before_it_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The data reaches the disk before the rename publishes it, and the rename before the write returns."""
+    """The first write makes the slots file (fsync, rename, fsync of the directory); every later
+    one costs one fdatasync of a slot rewritten in place; the copy follows, unsynced."""
     s = store(tmp_path / "state")
     ops = record_disk_ops(monkeypatch, tmp_path)
     s.write([claim()], boot_id="b")
-    assert ops == [("write", FILE_NAME), ("fsync-file", FILE_NAME), ("rename", FILE_NAME), ("fsync-dir", "state")]
+    assert ops == [
+        ("write", SLOTS),
+        ("fsync-file", SLOTS),
+        ("rename", SLOTS),
+        ("fsync-dir", "state"),
+        ("write", FILE_NAME),
+        ("rename", FILE_NAME),
+    ]
+    ops.clear()
+    s.write([claim("u2")], boot_id="b")
+    assert ops == [("write", SLOTS), ("fdatasync", SLOTS), ("write", FILE_NAME), ("rename", FILE_NAME)]
+
+
+def test_an_agent_without_slots_that_wrote_later_is_believed(tmp_path: Path) -> None:
+    """A downgrade and back: the older agent wrote only checkpoint.json, after our last record."""
+    s = store(tmp_path)
+    s.write([claim("ours")], boot_id="b")
+    older = encode([claim("theirs")], boot_id="b", written_at=NOW)
+    (tmp_path / FILE_NAME).write_bytes(older)
+    later = os.stat(tmp_path / SLOTS).st_mtime_ns + 5_000_000_000
+    os.utime(tmp_path / FILE_NAME, ns=(later, later))
+    assert set(store(tmp_path).load().claims) == {"theirs"}
 
 
 def test_a_write_that_cannot_happen_is_a_checkpoint_error(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from agent.dra.claims.checkpoint import FILE_NAME, CheckpointError, CheckpointStore
 from agent.kube.claims.model import ClaimRef
+from tests.checkpoint_files import put_content
 from tests.disk_ops import record_disk_ops
 from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
 from tests.test_plugin_fakes import wait_for
@@ -68,21 +69,23 @@ async def test_a_prepare_fsyncs_the_checkpoint_not_the_claim_specs(
     h: DraHarness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The checkpoint is the durable record; the claim specs it lists are rebuilt from it."""
+    await h.prepare(h.claims.add("first", result("gpu-1")))  # the first write makes the slots file
     ops = record_disk_ops(monkeypatch, Path(os.path.commonpath([h.cdi_root, h.checkpoint])))
     ref = h.claims.add("a", result("gpu-0"))
     await h.prepare(ref)
     spec = f"k8s.gpu-node-agent.nvidia.com-claim_{ref.uid}.json"
+    slots = FILE_NAME + ".slots"
     assert ops == [
         ("write", spec),
         ("rename", spec),
-        ("write", FILE_NAME),
-        ("fsync-file", FILE_NAME),
+        ("write", slots),  # in place, in the slot the last write did not use
+        ("fdatasync", slots),
+        ("write", FILE_NAME),  # the copy for people and tools, after the record is durable
         ("rename", FILE_NAME),
-        ("fsync-dir", h.checkpoint.parent.name),
     ]
     ops.clear()
     await h.unprepare(ref)
-    assert [op for op, _ in ops] == ["write", "fsync-file", "rename", "fsync-dir"]  # the checkpoint's only
+    assert ops == [("write", slots), ("fdatasync", slots), ("write", FILE_NAME), ("rename", FILE_NAME)]
 
 
 @pytest.mark.parametrize("loss", ["empty", "missing", "other-content"])
@@ -110,12 +113,13 @@ async def test_an_unusable_checkpoint_is_rebuilt_from_the_cdi_specs(h: DraHarnes
     a, b, answers = await two_claims(h)
     specs = spec_bytes(h)
     raw = h.checkpoint.read_bytes()
-    h.checkpoint.write_bytes(
+    put_content(
+        h.checkpoint,
         {
             "truncate": raw[:100],
             "edit": raw.replace(b'"gpu-1"', b'"gpu-6"'),
             "newer-version": raw.replace(b'"version": 1', b'"version": 7'),
-        }[damage]
+        }[damage],
     )
     await h.restart()  # no crash loop: it starts
     state = h.m.debug_state()["checkpoint"]
@@ -139,7 +143,7 @@ async def test_an_unusable_checkpoint_is_rebuilt_from_the_cdi_specs(h: DraHarnes
 
 async def test_a_rebuilt_claim_still_blocks_its_devices(h: DraHarness) -> None:
     a, _, _ = await two_claims(h)
-    h.checkpoint.write_text("{")
+    put_content(h.checkpoint, b"{")
     await h.restart()
     thief = h.claims.add("thief", result("gpu-0"))
     error = (await h.prepare(thief)).claims[thief.uid].error
@@ -215,24 +219,28 @@ def _hook_cdi(h: DraHarness, gate: Gate) -> None:
     h.cdi.prepare_claims = prepare_claims  # type: ignore[method-assign]
 
 
-def _hook_checkpoint_rename(after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before or after the rename that publishes a checkpoint write (in its worker thread)."""
-    real = os.rename
+def _hook_checkpoint_commit(after: bool, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the checkpoint record is written into its slot, or after it is synced and before
+    the copy ``checkpoint.json`` is replaced (in the write's worker thread)."""
+    real_pwrite, real_rename = os.pwrite, os.rename
+
+    def pwrite(fd: int, data: bytes, offset: int) -> int:
+        if not after and os.readlink(f"/proc/self/fd/{fd}").endswith(FILE_NAME + ".slots"):
+            gate.hold()
+            raise SystemExit("crashed")  # the record is never written
+        return real_pwrite(fd, data, offset)
 
     def rename(src: Any, dst: Any, **kwargs: Any) -> None:
-        if Path(dst).name != FILE_NAME:
-            return real(src, dst, **kwargs)
-        if not after:
+        if after and Path(dst).name == FILE_NAME:
             gate.hold()
-            raise SystemExit("crashed")  # the rename never happens
-        real(src, dst, **kwargs)
-        gate.hold()
-        return None
+            raise SystemExit("crashed")  # the record is durable, the copy is not replaced
+        return real_rename(src, dst, **kwargs)
 
+    monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "rename", rename)
 
 
-@pytest.mark.parametrize("point", ["after-cdi-write", "before-rename", "after-rename"])
+@pytest.mark.parametrize("point", ["after-cdi-write", "before-commit", "after-commit"])
 async def test_a_crash_mid_batch_leaves_no_orphan_or_missing_spec(
     h: DraHarness, monkeypatch: pytest.MonkeyPatch, point: str
 ) -> None:
@@ -242,7 +250,7 @@ async def test_a_crash_mid_batch_leaves_no_orphan_or_missing_spec(
     if point == "after-cdi-write":
         _hook_cdi(h, gate)
     else:
-        _hook_checkpoint_rename(point == "after-rename", gate, monkeypatch)
+        _hook_checkpoint_commit(point == "after-commit", gate, monkeypatch)
     call = asyncio.create_task(h.prepare(*refs))
     await wait_for(gate.reached.is_set, what=f"the batch reaching {point}")
     await h.stop()  # the agent dies with the batch half done
@@ -255,7 +263,7 @@ async def test_a_crash_mid_batch_leaves_no_orphan_or_missing_spec(
     await reconciled(h)
     on_disk = checkpoint_uids(h)
     assert h.claim_specs() == on_disk  # no orphaned spec, no missing one
-    expected = {done.uid} | ({r.uid for r in refs} if point == "after-rename" else set())
+    expected = {done.uid} | ({r.uid for r in refs} if point == "after-commit" else set())
     assert on_disk >= expected and h.m.debug_state()["checkpoint"]["loaded"] == "ok"  # type: ignore[index]
     # the kubelet retries the batch: everything is prepared, with the answers a clean run gives
     response = await h.prepare(done, *refs)

@@ -7,10 +7,11 @@ File ``<state dir>/checkpoint.json``::
      "data": {"bootID": "...", "writtenAt": "...", "claims": [<claim>, ...]}}
 
 The checksum covers ``data`` in canonical JSON (sorted keys, no spaces, UTF-8), so a file
-cut short or edited by hand is detected. Writes are atomic and durable
-(:func:`agent.base.atomicfile.replace_file`: a hidden temp file in the same directory, fsync,
-rename over the target, fsync the directory); a failed write leaves the previous checkpoint
-intact. One write records a whole batch (the driver groups them).
+cut short or edited by hand is detected. Writes are durable with one ``fdatasync``
+(:class:`agent.base.slotfile.SlotFile`: the document goes into one of two slots of
+``checkpoint.json.slots``, rewritten in place, and ``checkpoint.json`` is a copy replaced after
+it); a write a crash cuts short leaves the previous checkpoint. One write records a whole batch
+(the driver groups them).
 
 Loading never crashes the agent over the file's content: a file that is truncated, not JSON,
 fails its checksum or its schema, or comes from a newer version of the agent is moved aside
@@ -38,8 +39,10 @@ from typing import Any, Literal
 
 import structlog
 
-from agent.base.atomicfile import replace_file, temp_target
+from agent.base.atomicfile import temp_target
 from agent.base.errors import AgentError, StartupError
+from agent.base.slotfile import SUFFIX as SLOTS_SUFFIX
+from agent.base.slotfile import SlotFile
 
 log = structlog.get_logger("agent.dra")
 
@@ -266,14 +269,17 @@ class CheckpointStore:
         self.directory = directory
         self.path = directory / FILE_NAME
         self._now = now
+        self._file = SlotFile(self.path, mode=FILE_MODE, max_bytes=MAX_BYTES)
 
     def load(self) -> Loaded:
         """The checkpoint on disk; an unusable one is moved aside (see the module docstring)."""
         self._remove_stale_temp_files()
+        if not self._file.exists():
+            return Loaded(status="missing")
         try:
             mode = self.path.lstat().st_mode
         except FileNotFoundError:
-            return Loaded(status="missing")
+            mode = stat.S_IFREG  # only the slots: a crash came before the first copy was made
         except OSError as exc:
             raise StartupError(f"cannot read the DRA checkpoint {self.path}: {exc.strerror or exc}") from exc
         try:
@@ -287,12 +293,13 @@ class CheckpointStore:
 
     def _read(self) -> bytes:
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read(MAX_BYTES + 1)
+            raw = self._file.read()
+        except ValueError as exc:
+            raise _Unusable(str(exc)) from exc
         except OSError as exc:
             raise StartupError(f"cannot read the DRA checkpoint {self.path}: {exc.strerror or exc}") from exc
-        if len(raw) > MAX_BYTES:
-            raise _Unusable(f"larger than {MAX_BYTES} bytes")
+        if raw is None:
+            raise _Unusable("no complete record in its slots, and no copy")
         return raw
 
     def _move_aside(self, problem: str) -> Loaded:
@@ -301,7 +308,7 @@ class CheckpointStore:
         while target.exists():
             target = self.path.with_name(f"{FILE_NAME}.corrupt-{stamp}-{secrets.token_hex(2)}")
         try:
-            os.rename(self.path, target)
+            self._file.rename(target)
         except OSError as exc:
             raise StartupError(
                 f"the DRA checkpoint {self.path} is unusable ({problem}) and cannot be moved aside: "
@@ -311,7 +318,7 @@ class CheckpointStore:
         return Loaded(status="corrupt", problem=problem, moved_to=target)
 
     def write(self, claims: Iterable[PreparedClaim], *, boot_id: str) -> str:
-        """Replace the checkpoint atomically; returns the write time. Raises CheckpointError."""
+        """Replace the checkpoint durably (one fdatasync); returns the write time. Raises CheckpointError."""
         written_at = self._now()
         data = encode(claims, boot_id=boot_id, written_at=written_at)
         try:
@@ -319,9 +326,9 @@ class CheckpointStore:
         except OSError as exc:
             raise CheckpointError(f"cannot create {self.directory}: {exc.strerror or exc}") from exc
         try:
-            replace_file(self.path, data, mode=FILE_MODE)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write {self.path}: {exc.strerror or exc}") from exc
+            self._file.write(data)
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot write {self.path}: {getattr(exc, 'strerror', None) or exc}") from exc
         return written_at
 
     def _remove_stale_temp_files(self) -> None:
@@ -331,7 +338,7 @@ class CheckpointStore:
         except OSError:
             return
         for name in names:
-            if temp_target(name) == FILE_NAME:
+            if temp_target(name) in (FILE_NAME, FILE_NAME + SLOTS_SUFFIX):
                 with contextlib.suppress(OSError):
                     os.unlink(self.directory / name)
                     log.info("dra.checkpoint_temp_removed", file=name)
