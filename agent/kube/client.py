@@ -77,6 +77,11 @@ class Limits:
     max_connections: int = 16
     #: bodies larger than this are decoded off the event loop
     thread_decode_bytes: int = 256 * 1024
+    #: an idle pooled connection is kept this long (aiohttp's default is 15 s). The API server
+    #: closes one after 90 s (k8s.io/apiserver pkg/server/secure_serving.go, IdleTimeout); each
+    #: new one is a TLS handshake, and the claim reads of a NodePrepareResources run
+    #: concurrently, one connection each: 8 handshakes cost 25 ms on the peers harness
+    keepalive_s: float = 75.0
 
 
 class KubeClient:
@@ -135,7 +140,9 @@ class KubeClient:
         if self._closed:
             raise KubeError(f"{self.server}: the API client is closed")
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self.limits.max_connections)
+            connector = aiohttp.TCPConnector(
+                limit=self.limits.max_connections, keepalive_timeout=self.limits.keepalive_s
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
