@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.cdi import spec as s
+from agent.cdi import writer
 from agent.cdi.claimenv import ClaimDevices, as_claim_devices
 from agent.cdi.errors import CdiError, InvalidNameError, InvalidSpecError, SpecConflictError
 from tests.cdi_fixtures import FakeDriver, inventory, prepare_claim
@@ -98,6 +99,26 @@ async def test_a_batch_writes_every_claim_and_fails_per_claim(tmp_path: Path, dr
     assert removed[UID] is None and removed[other] is None and removed["never-prepared"] is None
     assert isinstance(removed["bad/uid"], InvalidNameError)
     assert list((tmp_path / "cdi").glob("*claim_*")) == []
+
+
+async def test_a_batch_lists_the_directory_once_for_its_conflict_checks(
+    tmp_path: Path, driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    service = make_service(tmp_path, driver, CollectorRegistry())
+    g0, g1 = inventory(2).gpus
+    await prepare_claim(service, UID, [g0.uuid])
+    listings = []
+    real = writer.spec_files
+    monkeypatch.setattr(writer, "spec_files", lambda d: listings.append(d) or real(d))
+    others = [f"0e3f1a2b-aaaa-bbbb-cccc-00000000001{i}" for i in range(4)]
+    out = await service.prepare_claims({uid: ClaimDevices(devices=(g1.uuid,)) for uid in others})
+    assert all(isinstance(v, list) for v in out.values()) and len(listings) == 1
+    # the check still sees what others put there since: a foreign copy of a claim's names is refused
+    foreign = tmp_path / "cdi" / "someone.json"
+    foreign.write_bytes((tmp_path / "cdi" / f"k8s.gpu-node-agent.nvidia.com-claim_{others[0]}.json").read_bytes())
+    (tmp_path / "cdi" / f"k8s.gpu-node-agent.nvidia.com-claim_{others[0]}.json").unlink()
+    out = await service.prepare_claims({others[0]: ClaimDevices(devices=(g1.uuid,))})
+    assert isinstance(out[others[0]], SpecConflictError)
 
 
 async def test_the_conflict_check_rereads_a_file_that_changed(tmp_path: Path, driver: FakeDriver) -> None:

@@ -263,22 +263,31 @@ class CdiService:
             driver = self._reconciler.discover(inventory)
         except CdiError as exc:
             return dict.fromkeys(claims, exc)
+        try:
+            others = self._writer.defined_names()  # the conflict check lists the directory once a batch
+        except CdiError as exc:
+            return dict.fromkeys(claims, exc)
         for uid, claim in claims.items():
             try:
-                out[uid] = self._write_claim(uid, claim, inventory, driver)
+                out[uid] = self._write_claim(uid, claim, inventory, driver, others)
             except CdiError as exc:
                 out[uid] = exc
         return out
 
     def _write_claim(
-        self, claim_uid: str, claimed: ClaimDevices, inventory: Inventory, driver: DriverView
+        self,
+        claim_uid: str,
+        claimed: ClaimDevices,
+        inventory: Inventory,
+        driver: DriverView,
+        others: dict[str, frozenset[str]],
     ) -> list[str]:
         kind = self._config.claim_kind
         devices = claimed.devices
         claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
-        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, durable=False)
+        self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, durable=False, others=others)
         return [qualified_name(kind, claim.names[d]) for d in devices]
 
     async def unprepare_claims(self, claim_uids: Sequence[str]) -> dict[str, CdiError | None]:

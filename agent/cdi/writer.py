@@ -23,7 +23,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from agent.base.atomicfile import fsync_directory, replace_file, temp_target
@@ -159,10 +159,19 @@ class SpecWriter:
         except OSError as exc:
             raise SpecWriteError(f"cannot read {path}: {_reason(exc)}") from exc
 
-    def write(self, name: str, spec: cdi_spec.Spec, *, durable: bool = True) -> bool:
+    def write(
+        self,
+        name: str,
+        spec: cdi_spec.Spec,
+        *,
+        durable: bool = True,
+        others: dict[str, frozenset[str]] | None = None,
+    ) -> bool:
         """Put ``spec`` at ``name``; False when the file already held exactly this. Validates first.
 
         ``durable=False``: atomic, but neither the file nor the directory is fsynced.
+        ``others``: what :meth:`defined_names` answered for this batch of writes (the directory
+        is then listed once per batch, not once per file); this write is added to it.
         """
         path = self._path(name)
         cdi_spec.check(spec)
@@ -170,8 +179,11 @@ class SpecWriter:
         ensure_directory(self.directory)
         if self.read(name) == data:
             return False
-        self._check_conflicts(name, spec)
+        ours = frozenset(spec.qualified_names())
+        self._check_conflicts(name, ours, self.defined_names() if others is None else others)
         atomic_write(path, data, durable=durable)
+        if others is not None:
+            others[name] = ours
         return True
 
     def remove(self, name: str, *, durable: bool = True) -> bool:
@@ -225,20 +237,22 @@ class SpecWriter:
         self._names[path.name] = (identity, names)
         return names
 
-    def _check_conflicts(self, name: str, spec: cdi_spec.Spec) -> None:
-        ours = set(spec.qualified_names())
+    def defined_names(self) -> dict[str, frozenset[str]]:
+        """File name -> the qualified names it defines, for every spec file in the directory."""
         files = spec_files(self.directory)
         present = {p.name for p in files}
         for gone in [n for n in self._names if n not in present]:
             del self._names[gone]
-        for path in files:
-            if path.name == name:
+        return {path.name: self._defined_names(path) for path in files}
+
+    def _check_conflicts(self, name: str, ours: frozenset[str], others: Mapping[str, frozenset[str]]) -> None:
+        for other, theirs in others.items():
+            if other == name:
                 continue
-            theirs = self._defined_names(path)
             clash = sorted(ours & theirs)
             if clash:
                 more = f" and {len(clash) - 3} more" if len(clash) > 3 else ""
                 raise SpecConflictError(
-                    f"cannot write {self.directory / name}: {path} already defines {', '.join(clash[:3])}{more}; "
-                    "the runtime would drop both (remove or rename that file)"
+                    f"cannot write {self.directory / name}: {self.directory / other} already defines "
+                    f"{', '.join(clash[:3])}{more}; the runtime would drop both (remove or rename that file)"
                 )
