@@ -179,13 +179,16 @@ async def agent_process(
     args: tuple[str, ...] = (),
     register: bool = True,
     stock: bool = False,
-    trace: Path | None = None,
+    runner: str = "agent",
+    extra_env: dict[str, str] | None = None,
 ) -> AsyncIterator[Agent]:
     """``python -m agent run --simulated`` in ``work/name`` with a fake kubelet; yields once ready.
 
     ``stock``: on the standard event loop and betterproto's own codec (what the floor runs on).
-    ``trace``: through ``bench/prepare_trace.py``, each NodePrepareResources traced into that file.
+    ``runner``: the module ``-m`` runs (``bench.prepare_trace``, ``bench.import_rss``: the agent
+    through a measuring shim), with ``extra_env``.
     """
+    compile_bytecode()
     root = work / name
     kubelet_root = root / "k"
     plugin_dir = kubelet_root / "device-plugins"
@@ -201,13 +204,10 @@ async def agent_process(
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
     if stock:
         env["GPU_AGENT_EVENT_LOOP"] = "asyncio"
-    module = ("-m", "agent")
-    if trace is not None:
-        env["PREPARE_TRACE"] = str(trace)
-        module = ("-m", "bench.prepare_trace")
+    env.update(extra_env or {})
     command = [
         sys.executable,
-        *(("-c", STOCK_STACK) if stock else module),
+        *(("-c", STOCK_STACK) if stock else ("-m", runner)),
         "run",
         "--simulated",
         "--config",
@@ -246,6 +246,20 @@ async def agent_process(
         log.close()
         await kubelet.stop()
         pod_resources.stop_threaded()
+
+
+_compiled: list[Path] = []
+
+
+def compile_bytecode(root: Path = ROOT, python: str = sys.executable) -> None:
+    """Byte-compile the agent once, as the image does (``compileall`` in its Dockerfile): with
+    ``PYTHONDONTWRITEBYTECODE`` set, as on this project's machines, an editable install would
+    otherwise compile every module from source at every start, which is not what a node runs
+    (start-up CPU, and the compiler's memory in RSS)."""
+    if root in _compiled:
+        return
+    subprocess.run([python, "-m", "compileall", "-q", str(root / "agent")], check=True, stdout=subprocess.DEVNULL)
+    _compiled.append(root)
 
 
 def cdi_directory(work: Path) -> Path:

@@ -103,7 +103,15 @@ async def main(args: argparse.Namespace) -> None:
                 agent_args += ("--cdi-root", str(work / "cdi-disk"))
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 bench = Bench(pool)
-                async with agent_process(work, "prep", config, args=agent_args, register=False, trace=trace) as agent:
+                async with agent_process(
+                    work,
+                    "prep",
+                    config,
+                    args=agent_args,
+                    register=False,
+                    runner="bench.prepare_trace",
+                    extra_env={"PREPARE_TRACE": str(trace)},
+                ) as agent:
                     await register_dra(agent)
                     await until(lambda: set(_owners(agent.debug_port)) == {"dra"}, within_s=30, what="DRA owns all")
                     socket_path = agent.root / "k" / "plugins" / DRIVER / "dra.sock"

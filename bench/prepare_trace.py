@@ -115,6 +115,8 @@ def install(path: str) -> None:
     """Wrap the prepare path's functions (imports the modules concerned); lines go to ``path``."""
     import logging
 
+    import aiohttp
+
     out = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the process's life)
 
     from agent.base import atomicfile
@@ -132,6 +134,7 @@ def install(path: str) -> None:
     _wrap(driver.DraDriver, "_prepare_batch", "driver: whole batch")
     _wrap(driver.DraDriver, "_read_claim", "claim: read (GET + decode)")
     _wrap(kube_client.KubeClient, "_call", "claim: HTTP GET")
+    _wrap(aiohttp.TCPConnector, "_create_connection", "claim: HTTP GET: new connection (TCP, TLS)")
     _wrap(source, "parse_claim", "claim: decode JSON -> ResourceClaim")
     _wrap(driver, "plan_claim", "plan_claim")
     _wrap(specwriter.ClaimSpecWriter, "write", "CDI: awaited")
@@ -144,6 +147,7 @@ def install(path: str) -> None:
     _wrap(checkpoint, "encode", "checkpoint: encode")
     _wrap(atomicfile, "fsync_directory", "fsync: directory (any)")
     _wrap(atomicfile.os, "fsync", "fsync: file (any)")
+    _wrap(atomicfile.os, "fdatasync", "fdatasync (any)")
     _wrap(logging.Handler, "handle", "logging: handler")
 
 
