@@ -426,3 +426,23 @@ async def test_a_client_that_resets_its_half_sent_request_is_counted_as_aborted(
         await raw.close()
     assert s.rpcs == [("Allocate", "aborted")]
     assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
+
+
+async def test_small_requests_are_decoded_once_and_shared_large_and_bad_ones_are_not() -> None:
+    from agent._proto.deviceplugin import v1beta1 as bp
+    from agent.grpc.limits import SHARED_DECODE_BYTES, CallGate
+
+    gate = CallGate(GrpcLimits(), name="test")
+    small = bytes(bp.AllocateRequest(container_requests=[bp.ContainerAllocateRequest(devices_ids=["GPU-0"])]))
+    first = await gate._decode("Allocate", small, len(small), bp.AllocateRequest)
+    assert await gate._decode("Allocate", small, len(small), bp.AllocateRequest) is first
+    assert first.container_requests[0].devices_ids == ["GPU-0"]
+    ids = [f"GPU-{i}" for i in range(SHARED_DECODE_BYTES // 6)]
+    large = bytes(bp.AllocateRequest(container_requests=[bp.ContainerAllocateRequest(devices_ids=ids)]))
+    assert len(large) > SHARED_DECODE_BYTES
+    one = await gate._decode("Allocate", large, len(large), bp.AllocateRequest)
+    assert await gate._decode("Allocate", large, len(large), bp.AllocateRequest) is not one
+    bad = b"\x0a\xff"
+    for _ in range(2):  # refused each time, never kept
+        with pytest.raises(GRPCError):
+            await gate._decode("Allocate", bad, len(bad), bp.AllocateRequest)

@@ -1,6 +1,6 @@
 """The ``v1beta1.DevicePlugin`` gRPC service: a translator between protobuf and the domain.
 
-Each unary RPC runs inside :func:`_rpc` from receiving its request to answering, which binds
+Each unary RPC runs through ``DevicePluginServicer._unary`` from receiving its request to answering, which binds
 ``request_id``, ``method`` and ``resource`` to structlog's contextvars, records the call in
 the RPC metrics (result: ``ok``, the status in kebab case, or ``aborted``) and maps domain
 errors onto gRPC statuses:
@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpclib.const
@@ -104,43 +103,42 @@ class DevicePluginServicer:
         #: handler tasks of the open ListAndWatch streams
         self.streams: set[asyncio.Task[Any]] = set()
 
-    @asynccontextmanager
-    async def _rpc(self, method: str) -> AsyncIterator[None]:
+    async def _unary(self, stream: Stream[Any, Any], method: str, handle: Callable[[Any], Awaitable[Any]]) -> None:
+        """Receive, answer through ``handle``, send; the module docstring says what is logged and
+        counted. One plain coroutine, no context managers: this is every Allocate's path."""
         started = time.perf_counter()
         result = "ok"
-        with structlog.contextvars.bound_contextvars(
+        # grpclib runs each call in a task of its own, whose context is a copy: what is bound
+        # here is the call's alone and goes with its task (no reset needed, none paid for)
+        structlog.contextvars.bind_contextvars(
             request_id=next_request_id(), method=method, resource=self.service.resource.name
-        ):
-            try:
-                yield
-            except AllocationError as exc:
-                result = exc.kind.value
-                log.warning(
-                    "request refused",
-                    error=cut(str(exc)),
-                    device_ids=short_ids(exc.device_ids),
-                    device_count=len(exc.device_ids),
-                    status=exc.kind.value,
-                )
-                raise GRPCError(_STATUS[exc.kind], cut(str(exc))) from exc
-            except GRPCError as exc:  # refused while receiving; the gate logged it
-                result = status_label(exc.status)
-                raise
-            except (asyncio.CancelledError, StreamTerminatedError):  # the client went away
-                result = "aborted"
-                raise
-            except Exception as exc:
-                result = "internal"
-                log.exception("request failed")
-                raise GRPCError(Status.INTERNAL, f"{method}: internal error: {cut(str(exc), 200)}") from exc
-            finally:
-                if self._observe is not None:
-                    self._observe(method, result, time.perf_counter() - started)
-
-    async def _unary(self, stream: Stream[Any, Any], method: str, handle: Callable[[Any], Awaitable[Any]]) -> None:
-        async with self._rpc(method):
+        )
+        try:
             request = await stream.recv_message()
             response = await handle(request)
+        except AllocationError as exc:
+            result = exc.kind.value
+            log.warning(
+                "request refused",
+                error=cut(str(exc)),
+                device_ids=short_ids(exc.device_ids),
+                device_count=len(exc.device_ids),
+                status=exc.kind.value,
+            )
+            raise GRPCError(_STATUS[exc.kind], cut(str(exc))) from exc
+        except GRPCError as exc:  # refused while receiving; the gate logged it
+            result = status_label(exc.status)
+            raise
+        except (asyncio.CancelledError, StreamTerminatedError):  # the client went away
+            result = "aborted"
+            raise
+        except Exception as exc:
+            result = "internal"
+            log.exception("request failed")
+            raise GRPCError(Status.INTERNAL, f"{method}: internal error: {cut(str(exc), 200)}") from exc
+        finally:
+            if self._observe is not None:
+                self._observe(method, result, time.perf_counter() - started)
         await stream.send_message(response)
 
     # --- handlers ----------------------------------------------------------------------
