@@ -33,9 +33,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import aiohttp
 from yarl import URL
 
+from agent.base.tlsimport import without_default_ca_bundle
 from agent.kube.access import (
     SERVICE_ACCOUNT_DIR,
     ClusterAccess,
@@ -46,6 +46,9 @@ from agent.kube.access import (
 from agent.kube.auth import Credentials, credentials_for
 from agent.kube.errors import KubeConflictError, KubeError, KubeGoneError, KubeNotFoundError
 from agent.kube.metrics import KubeMetrics
+
+with without_default_ca_bundle():  # aiohttp's own contexts are never used here (agent/base/tlsimport.py)
+    import aiohttp
 
 JSON = "application/json"
 #: ask for metadata only (labels live there), fall back to the full object

@@ -22,14 +22,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
-from aiohttp import web
-from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.base.errors import AgentError, DeviceNotFoundError, StartupError
+from agent.base.tlsimport import without_default_ca_bundle
 from agent.core.health.model import Signal
 from agent.core.mechanism import Readiness
 from agent.grpc.connections import CappedProtocol, ConnectionCap
+
+with without_default_ca_bundle():  # see agent/base/tlsimport.py
+    from aiohttp import web
+    from aiohttp.typedefs import Handler
 
 log = structlog.get_logger("agent.debug")
 
