@@ -41,6 +41,7 @@ from agent.base.errors import BackendError, LibraryMissingError
 from agent.core.config.schema import HealthConfig
 from agent.core.inventory.model import Inventory
 from agent.core.inventory.sample import DeviceSample
+from agent.core.partitioning import MigControl, MpsControl, NoMig, NoMps
 
 #: how long close() waits for NVML calls still running in worker threads
 CLOSE_WAIT_S = 2.0
@@ -115,6 +116,8 @@ class NvmlBackend:
         self._events_lock = asyncio.Lock()
         self._stray_threads: list[EventWatcher] = []
         self._health_changed = asyncio.Event()
+        self.mig: MigControl = NoMig("MIG instances are not made through NVML yet")
+        self.mps: MpsControl = NoMps("MPS is not supervised on NVML nodes yet")
 
     # --- lifecycle ------------------------------------------------------------------
 
