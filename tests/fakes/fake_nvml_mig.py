@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +174,9 @@ class FakeMigState:
     #: what nvmlDeviceSetMigMode answers as activation status (None: the model's answer)
     toggle_status: int | None = None
     toggles: list[int] = field(default_factory=list)  # modes nvmlDeviceSetMigMode was asked for
+    #: while set, nvmlDeviceCreateGpuInstanceWithPlacement blocks until the event is set
+    hang: threading.Event | None = None
+    entered: threading.Event = field(default_factory=threading.Event)  # set once a create is in
     uuids: itertools.count[int] = field(default_factory=itertools.count)
 
 
@@ -280,6 +284,9 @@ class MigCalls:
     def nvmlDeviceCreateGpuInstanceWithPlacement(self, handle: Any, profile_id: int, placement: Any) -> FakeGpuInstance:
         gpu = self._mig(handle, "nvmlDeviceCreateGpuInstanceWithPlacement")
         where = self._pointee(placement, c_nvmlGpuInstancePlacement_t)
+        gpu.mig.entered.set()
+        if gpu.mig.hang is not None:
+            gpu.mig.hang.wait()
         if not gpu.mig_enabled:
             self._raise(_NOT_SUPPORTED)
         profile = self._profile(gpu, profile_id)

@@ -36,12 +36,13 @@ from agent.backends.nvml.errors import describe, translate_init
 from agent.backends.nvml.events import BLIND_AFTER_S, EventWatcher
 from agent.backends.nvml.health import InFlight, run_checks
 from agent.backends.nvml.inventory import InventoryReader, Reading
+from agent.backends.nvml.mig import NvmlMig
 from agent.backends.nvml.sample import in_daemon_thread, read_samples
 from agent.base.errors import BackendError, LibraryMissingError
 from agent.core.config.schema import HealthConfig
 from agent.core.inventory.model import Inventory
 from agent.core.inventory.sample import DeviceSample
-from agent.core.partitioning import MigControl, MpsControl, NoMig, NoMps
+from agent.core.partitioning import MigControl, MpsControl, NoMps
 
 #: how long close() waits for NVML calls still running in worker threads
 CLOSE_WAIT_S = 2.0
@@ -116,7 +117,14 @@ class NvmlBackend:
         self._events_lock = asyncio.Lock()
         self._stray_threads: list[EventWatcher] = []
         self._health_changed = asyncio.Event()
-        self.mig: MigControl = NoMig("MIG instances are not made through NVML yet")
+        self._mig = NvmlMig(
+            module=self._module,
+            reading=lambda: self._reading,
+            reader=self._reader,
+            procfs_root=procfs_root,
+            in_flight=self._in_flight,
+        )
+        self.mig: MigControl = self._mig
         self.mps: MpsControl = NoMps("MPS is not supervised on NVML nodes yet")
 
     # --- lifecycle ------------------------------------------------------------------
@@ -184,8 +192,11 @@ class NvmlBackend:
         self._last_error = error
 
     async def close(self) -> None:
-        """Stop the event thread and shut NVML down once; idempotent and safe when ``open`` failed."""
+        """Stop the event thread and shut NVML down once; idempotent and safe when ``open`` failed.
+
+        A create cancelled mid-way is cleaned up first."""
         self._closed = True
+        await self._mig.close()
         async with self._events_lock:
             if self._events is not None:
                 await self._retire(self._events)
@@ -218,13 +229,7 @@ class NvmlBackend:
         """
         if not await self._ensure_initialised():
             return Inventory.empty(self.name, reason=self._last_error or "NVML not available")
-        reader = InventoryReader(
-            self._module(),
-            backend=self.name,
-            sysfs_root=self._sysfs_root,
-            procfs_root=self._procfs_root,
-            previous=self._reading,
-        )
+        reader = self._reader(previous=self._reading)
         try:
             reading = await asyncio.to_thread(self._in_flight.call, reader.read)
         except BackendError as exc:
@@ -245,6 +250,15 @@ class NvmlBackend:
             )
         self._reading = reading
         return inventory
+
+    def _reader(self, previous: Reading | None = None) -> InventoryReader:
+        return InventoryReader(
+            self._module(),
+            backend=self.name,
+            sysfs_root=self._sysfs_root,
+            procfs_root=self._procfs_root,
+            previous=previous,
+        )
 
     def _handles(self) -> dict[str, Any]:
         return dict(self._reading.handles) if self._reading is not None else {}
@@ -397,4 +411,5 @@ class NvmlBackend:
                 "event_wait_ms": self._health.event_wait_ms,
             },
             "events": events.status() if events is not None else {"running": False},
+            "mig": self._mig.status(),
         }
