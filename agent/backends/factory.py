@@ -56,6 +56,7 @@ async def open_backend(config: Config, *, node_name: str | None = None, wait_for
                 required=config.backend == "nvml",
                 wait_for_driver=wait_for_driver,
                 nvml=binding,
+                mps_dir=config.state_dir / MPS_DIR,
             )
     try:
         await backend.open()

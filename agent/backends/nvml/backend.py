@@ -31,6 +31,7 @@ from typing import Any
 import structlog
 
 from agent.backends.backend import SignalSink
+from agent.backends.mps import MpsSupervisor
 from agent.backends.nvml import library as nvml_library
 from agent.backends.nvml.errors import describe, translate_init
 from agent.backends.nvml.events import BLIND_AFTER_S, EventWatcher
@@ -73,6 +74,7 @@ class NvmlBackend:
     the agent unready; with ``auto`` a node without NVML is simply a node without GPUs.
     ``wait_for_driver``: False for one-shot commands (``gpu-agent inventory``): a required
     NVML that cannot be loaded makes ``open`` raise its one-line error instead of waiting.
+    ``mps_dir``: where MPS daemons' pipe and log directories go; without one, no MPS.
     """
 
     name = "nvml"
@@ -88,6 +90,7 @@ class NvmlBackend:
         sysfs_root: Path = Path("/sys"),
         procfs_root: Path = Path("/proc"),
         blind_after_s: float = BLIND_AFTER_S,
+        mps_dir: Path | None = None,
     ) -> None:
         self._health = health
         self._driver_root = driver_root
@@ -124,8 +127,9 @@ class NvmlBackend:
             procfs_root=procfs_root,
             in_flight=self._in_flight,
         )
+        self._mps = MpsSupervisor(driver_root=driver_root, base_dir=mps_dir) if mps_dir is not None else None
         self.mig: MigControl = self._mig
-        self.mps: MpsControl = NoMps("MPS is not supervised on NVML nodes yet")
+        self.mps: MpsControl = self._mps or NoMps("MPS needs a state directory (none given)")
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -194,9 +198,11 @@ class NvmlBackend:
     async def close(self) -> None:
         """Stop the event thread and shut NVML down once; idempotent and safe when ``open`` failed.
 
-        A create cancelled mid-way is cleaned up first."""
+        MPS daemons stop being watched but keep running for their clients."""
         self._closed = True
         await self._mig.close()
+        if self._mps is not None:
+            await self._mps.close()
         async with self._events_lock:
             if self._events is not None:
                 await self._retire(self._events)
