@@ -208,6 +208,15 @@ class MigCalls:
             raise TypeError(f"expected ctypes.byref({kind.__name__}), got {type(ref).__name__}")
         return obj
 
+    def _fill(self, array: Any, count: Any, found: list[Any]) -> int:
+        """Write ``found`` into the caller's handle array and count, as the listing calls do."""
+        if len(array) < len(found):
+            self._raise(_INSUFFICIENT_SIZE)
+        for i, item in enumerate(found):
+            array[i] = item
+        self._pointee(count, ctypes.c_uint).value = len(found)
+        return 0
+
     def _profile(self, gpu: Any, profile_id: int) -> FakeGiProfile:
         found = next((p for p in gpu.mig.profiles if p.id == profile_id), None)
         if found is None:
@@ -330,13 +339,7 @@ class MigCalls:
         if not gpu.mig_enabled:
             self._raise(_NOT_SUPPORTED)
         profile = self._profile(gpu, profile_id)
-        found = [g for g in gpu.mig.instances.values() if g.profile.id == profile.id]
-        if len(instances) < len(found):
-            self._raise(_INSUFFICIENT_SIZE)
-        for i, gi in enumerate(found):
-            instances[i] = gi
-        self._pointee(count, ctypes.c_uint).value = len(found)
-        return 0
+        return self._fill(instances, count, [g for g in gpu.mig.instances.values() if g.profile.id == profile.id])
 
     def nvmlDeviceGetGpuInstanceById(self, handle: Any, gi_id: int) -> FakeGpuInstance:
         gpu = self._mig(handle, "nvmlDeviceGetGpuInstanceById")
@@ -420,13 +423,7 @@ class MigCalls:
     def nvmlGpuInstanceGetComputeInstances(self, gi: Any, profile_id: int, instances: Any, count: Any) -> int:
         self._enter("nvmlGpuInstanceGetComputeInstances")
         live = self._live_gi(gi)
-        found = [c for c in live.cis.values() if c.profile_id == profile_id]
-        if len(instances) < len(found):
-            self._raise(_INSUFFICIENT_SIZE)
-        for i, ci in enumerate(found):
-            instances[i] = ci
-        self._pointee(count, ctypes.c_uint).value = len(found)
-        return 0
+        return self._fill(instances, count, [c for c in live.cis.values() if c.profile_id == profile_id])
 
     def nvmlGpuInstanceGetComputeInstanceById(self, gi: Any, ci_id: int) -> FakeComputeInstance:
         self._enter("nvmlGpuInstanceGetComputeInstanceById")

@@ -110,8 +110,13 @@ def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
-async def _json_body(request: web.Request, example: str) -> dict[str, Any] | web.Response:
-    """The request's JSON object, or the error response to send."""
+async def _simulated_request(
+    request: web.Request, example: str
+) -> tuple[SimulatedControl, dict[str, Any]] | web.Response:
+    """The simulated backend's hooks and the request's JSON object, or the error response to send."""
+    control = request.app[CONTEXT].simulated
+    if control is None:  # pragma: no cover - the routes are only added with a control
+        raise web.HTTPNotFound()
     try:
         async with asyncio.timeout(request.app[LIMITS].body_timeout_s):
             body = await request.json()
@@ -121,16 +126,14 @@ async def _json_body(request: web.Request, example: str) -> dict[str, Any] | web
         return _bad_request(f"body must be JSON like {example}")
     if not isinstance(body, dict):
         return _bad_request("body must be a JSON object")
-    return body
+    return control, body
 
 
 async def simulated_health(request: web.Request) -> web.Response:
-    control = request.app[CONTEXT].simulated
-    if control is None:  # pragma: no cover - the route is only added with a control
-        raise web.HTTPNotFound()
-    body = await _json_body(request, '{"device": "0", "healthy": false, "xid": 79}')
-    if isinstance(body, web.Response):
-        return body
+    got = await _simulated_request(request, '{"device": "0", "healthy": false, "xid": 79}')
+    if isinstance(got, web.Response):
+        return got
+    control, body = got
     device, healthy, xid = body.get("device"), body.get("healthy"), body.get("xid")
     if isinstance(device, int) and not isinstance(device, bool):
         device = str(device)
@@ -153,12 +156,10 @@ async def simulated_health(request: web.Request) -> web.Response:
 async def simulated_mig(request: web.Request) -> web.Response:
     """``{"op": "create"|"destroy", "kind": "<PartitionErrorKind>", "device": "<GPU>", "count": N}``:
     the next ``count`` such MIG operations (on that GPU; any GPU without ``device``) fail."""
-    control = request.app[CONTEXT].simulated
-    if control is None:  # pragma: no cover - the route is only added with a control
-        raise web.HTTPNotFound()
-    body = await _json_body(request, '{"op": "create", "kind": "insufficient-resources", "device": "0"}')
-    if isinstance(body, web.Response):
-        return body
+    got = await _simulated_request(request, '{"op": "create", "kind": "insufficient-resources", "device": "0"}')
+    if isinstance(got, web.Response):
+        return got
+    control, body = got
     op, kind, device, count = body.get("op"), body.get("kind"), body.get("device", None), body.get("count", 1)
     if isinstance(device, int) and not isinstance(device, bool):
         device = str(device)
