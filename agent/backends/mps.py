@@ -211,7 +211,7 @@ class MpsSupervisor:
     async def _start(self, program: MpsProgram, daemon: _Daemon) -> None:
         """Start the daemon and wait until it answers; then send its limits, if any were set."""
         uuid = daemon.info.gpu_uuid
-        reply = await program.start(daemon.info)
+        reply = await program.start(daemon.info, timeout_s=self._start_timeout)
         if not reply.ok:
             failed = f"{PROGRAM} -d for {uuid} failed ({reply.describe()}); see {daemon.info.log_dir}"
             raise self._failed(daemon, failed)

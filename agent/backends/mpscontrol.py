@@ -140,11 +140,12 @@ class MpsProgram:
         env["CUDA_MPS_LOG_DIRECTORY"] = str(daemon.log_dir)
         return env
 
-    async def start(self, daemon: MpsDaemon) -> Reply:
+    async def start(self, daemon: MpsDaemon, *, timeout_s: float | None = None) -> Reply:
         """``nvidia-cuda-mps-control -d``: returns once the program has put the daemon in the background.
 
         Its output goes nowhere (the daemon would hold our pipe open for its whole life); the
-        daemon writes ``control.log`` in its log directory instead.
+        daemon writes ``control.log`` in its log directory instead. ``timeout_s`` defaults to the
+        command timeout.
         """
         process = await asyncio.create_subprocess_exec(
             str(self.path),
@@ -155,7 +156,7 @@ class MpsProgram:
             env=self.environment(daemon),
             start_new_session=True,  # signals to the agent's process group leave the daemon be
         )
-        return await self._finish(process, daemon, "-d", output=None)
+        return await self._finish(process, daemon, "-d", output=None, timeout_s=timeout_s)
 
     async def ask(self, daemon: MpsDaemon, command: str) -> Reply:
         """One command on the client's stdin; its answer. PartitionError when it does not finish in time."""
@@ -170,10 +171,16 @@ class MpsProgram:
         return await self._finish(process, daemon, command, output=command)
 
     async def _finish(
-        self, process: asyncio.subprocess.Process, daemon: MpsDaemon, what: str, output: str | None
+        self,
+        process: asyncio.subprocess.Process,
+        daemon: MpsDaemon,
+        what: str,
+        output: str | None,
+        timeout_s: float | None = None,
     ) -> Reply:
+        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(limit):
                 text = ""
                 if output is not None:
                     assert process.stdin is not None and process.stdout is not None
@@ -185,7 +192,7 @@ class MpsProgram:
                 rc = await process.wait()
         except TimeoutError:
             raise PartitionError(
-                f"{PROGRAM} {what!r} for {daemon.gpu_uuid} did not finish within {self.timeout_s:g} s",
+                f"{PROGRAM} {what!r} for {daemon.gpu_uuid} did not finish within {limit:g} s",
                 kind=PartitionErrorKind.FAILED,
             ) from None
         finally:
