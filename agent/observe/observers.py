@@ -24,7 +24,7 @@ from agent.core.mechanism import Mechanism
 from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import NoApiClaims
 from agent.kube.client import KubeClient
-from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, NodeStatusSource
+from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusSource
 from agent.kube.pods import KubePods, NoApiPods, PodLookup
 from agent.observe.orphans import ClaimSpecListing, OrphanDetector
 from agent.observe.utilization import UtilizationSampler
@@ -65,9 +65,10 @@ def build_observers(
     claims: ClaimSource | None = None,
     claim_specs: ClaimSpecListing | None = None,
     events: EventSink | None = None,
+    node: NodeStatusSource | None = None,
 ) -> Observers:
+    """``node``: the Node's status (the Node watch); without it the watchdog's node checks are skipped."""
     pods: PodLookup = KubePods(kube) if kube is not None else NoApiPods()
-    node: NodeStatusSource = NodeStatusReader(kube, node_name=node_name) if kube is not None else NoApiNodeStatus()
     return Observers(
         utilization=UtilizationSampler(
             backend=backend,
@@ -87,7 +88,7 @@ def build_observers(
         ),
         watchdog=Watchdog(
             mechanisms=mechanisms,
-            node=node,
+            node=node or NoApiNodeStatus(),
             config=config,
             has_gpus=lambda: bool(inventory.current.gpus),
             events=events,
