@@ -15,6 +15,7 @@ from agent.base.backoff import Backoff
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
 from agent.kube.listwatch import WATCH_BACKOFF, ListWatch
+from agent.kube.pods import NodePods, PodState
 from tests.fake_apiserver import NODE, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
 from tests.test_plugin_fakes import wait_for
@@ -209,3 +210,45 @@ async def test_a_slow_list_is_cut_by_the_request_limit(api: FakeApiServer, tmp_p
             assert not c.watch.synced.is_set() and not c.watch.fresh()
         finally:
             await c.stop()
+
+
+async def test_too_many_pods_are_not_all_kept_and_none_is_called_gone(api: FakeApiServer, tmp_path: Path) -> None:
+    for i in range(150):
+        api.add_pod("ml", f"p{i}")
+    async with client_for(api, tmp_path) as client:
+        pods = NodePods(client, node_name=NODE, max_pods=100, sleep=FakeSleep())
+        task = asyncio.create_task(pods.run())
+        try:
+            await wait_for(pods.watch.fresh, what="the list")
+            assert len(pods) == 100
+            assert pods.state("ml", "p0").state is PodState.PRESENT
+            unknown = pods.state("ml", "p149")
+            assert unknown.state is PodState.UNKNOWN and "more than 100 pods" in unknown.reason
+            api.add_pod("ml", "late")  # still full: not kept, still not gone
+            await wait_for(lambda: pods.watch.resource_version == str(api.rv), what="the event")
+            assert pods.state("ml", "late").state is PodState.UNKNOWN
+            for i in range(60):
+                api.delete_pod("ml", f"p{i}")
+            await wait_for(lambda: pods.watch.resource_version == str(api.rv), what="the deletions")
+            assert pods.state("ml", "p0").state is PodState.UNKNOWN  # the view stays incomplete until a list
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_pods_with_names_no_pod_can_have_are_ignored(api: FakeApiServer, tmp_path: Path) -> None:
+    async with client_for(api, tmp_path) as client:
+        pods = NodePods(client, node_name=NODE, sleep=FakeSleep())
+        task = asyncio.create_task(pods.run())
+        try:
+            await api.next_watch()
+            bad = {"metadata": {"namespace": "ml", "name": "Bad Name"}}
+            api.push({"type": "ADDED", "object": bad}, resource="pods")
+            api.push({"type": "ADDED", "object": {"metadata": "garbage"}}, resource="pods")
+            api.add_pod("ml", "fine")
+            await wait_for(lambda: pods.state("ml", "fine").state is PodState.PRESENT, what="the good pod")
+            assert len(pods) == 1
+            assert pods.state("ml", "Bad Name").state is PodState.UNKNOWN
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

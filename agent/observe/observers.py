@@ -5,7 +5,10 @@
 * :class:`~agent.observe.watchdog.Watchdog`: what the agent advertises against what the node shows.
 
 Each runs as a root task (:meth:`Observers.roots`) and reads the mechanisms only through
-:class:`~agent.core.mechanism.Mechanism`. Without API access (``kube`` None) the orphan check and the
+:class:`~agent.core.mechanism.Mechanism`. What they need from the API server is pushed to them: the
+orphan check reads this node's pods from one watch (``agent/kube/pods.py``, a root task of its own
+once the node has GPUs), and the watchdog reads the Node's allocatable from the Node watch the
+agent keeps for its labels (``node``). Without API access (``kube`` None) the orphan check and the
 watchdog still run on what needs no API (CDI claim specs; the kubelet's PodResources view).
 """
 
@@ -25,7 +28,7 @@ from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import NoApiClaims
 from agent.kube.client import KubeClient
 from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusSource
-from agent.kube.pods import KubePods, NoApiPods, PodLookup
+from agent.kube.pods import NoApiPods, NodePods, PodLookup
 from agent.observe.orphans import ClaimSpecListing, OrphanDetector
 from agent.observe.utilization import UtilizationSampler
 from agent.observe.watchdog import Watchdog
@@ -36,9 +39,22 @@ class Observers:
     utilization: UtilizationSampler
     orphans: OrphanDetector
     watchdog: Watchdog
+    #: this node's pods, for the orphan check
+    pods: PodLookup
+    #: waits until the node has GPUs (a node without GPUs watches nothing)
+    has_gpus: Callable[[], Awaitable[None]]
 
     def roots(self) -> dict[str, Callable[[], Awaitable[None]]]:
-        return {"utilization": self.utilization.run, "orphans": self.orphans.run, "watchdog": self.watchdog.run}
+        return {
+            "utilization": self.utilization.run,
+            "orphans": self.orphans.run,
+            "watchdog": self.watchdog.run,
+            "node-pods": self._watch_pods,
+        }
+
+    async def _watch_pods(self) -> None:
+        await self.has_gpus()
+        await self.pods.run()
 
     def debug_state(self) -> dict[str, object]:
         return {
@@ -68,7 +84,13 @@ def build_observers(
     node: NodeStatusSource | None = None,
 ) -> Observers:
     """``node``: the Node's status (the Node watch); without it the watchdog's node checks are skipped."""
-    pods: PodLookup = KubePods(kube) if kube is not None else NoApiPods()
+    pods: PodLookup = NodePods(kube, node_name=node_name) if kube is not None else NoApiPods()
+
+    async def has_gpus() -> None:
+        with inventory.changes.subscribe() as changes:
+            while not inventory.current.gpus:
+                await changes.get()
+
     return Observers(
         utilization=UtilizationSampler(
             backend=backend,
@@ -94,4 +116,6 @@ def build_observers(
             events=events,
             registry=registry,
         ),
+        pods=pods,
+        has_gpus=has_gpus,
     )
