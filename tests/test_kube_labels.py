@@ -21,6 +21,7 @@ from agent.kube.access import in_cluster_access, kube_config_available, kubeconf
 from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
+from agent.kube.listwatch import WatchTiming
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
 
@@ -52,7 +53,8 @@ async def kube(api: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeClient]:
 
 
 def _source(kube: KubeClient, *, sleep: FakeSleep | None = None, **kwargs: Any) -> NodeLabelSource:
-    return NodeLabelSource(kube, node_name=NODE, sleep=sleep or FakeSleep(), clock=lambda: 0.0, **kwargs)
+    timing = WatchTiming(sleep=sleep or FakeSleep(), clock=lambda: 0.0)
+    return NodeLabelSource(kube, node_name=NODE, timing=timing, **kwargs)
 
 
 class Watching:
@@ -418,7 +420,7 @@ async def test_watch_error_event_backs_off_and_retries(kube: KubeClient, api: Fa
 
 async def test_missing_node_in_list_is_an_error_not_a_crash(kube: KubeClient) -> None:
     sleep = FakeSleep()
-    source = NodeLabelSource(kube, node_name="other-node", sleep=sleep, static_labels={"a": "b"})
+    source = NodeLabelSource(kube, node_name="other-node", timing=WatchTiming(sleep=sleep), static_labels={"a": "b"})
     with capture_logs() as logs:
         watching = Watching(source)
         try:

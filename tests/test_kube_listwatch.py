@@ -14,7 +14,7 @@ import pytest
 from agent.base.backoff import Backoff
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
-from agent.kube.listwatch import WATCH_BACKOFF, ListWatch
+from agent.kube.listwatch import WATCH_BACKOFF, ListWatch, WatchTiming
 from agent.kube.pods import NodePods, PodState
 from tests.fake_apiserver import NODE, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
@@ -45,7 +45,7 @@ async def client_for(api: FakeApiServer, tmp_path: Path, **limits: Any) -> Async
 class Collected:
     """A ListWatch over this node's pods with what it hands its owner."""
 
-    def __init__(self, client: KubeClient, sleep: FakeSleep, clock: Clock, **kwargs: Any) -> None:
+    def __init__(self, client: KubeClient, sleep: FakeSleep, clock: Clock, backoff: Backoff = WATCH_BACKOFF) -> None:
         self.lists: list[list[Any]] = []
         self.events: list[tuple[str, str]] = []
         self.errors: list[str] = []
@@ -56,9 +56,7 @@ class Collected:
             on_list=self.lists.append,
             on_event=lambda kind, obj: self.events.append((kind, obj["metadata"]["name"])),
             on_error=lambda exc: self.errors.append(str(exc)),
-            sleep=sleep,
-            clock=clock,
-            **kwargs,
+            timing=WatchTiming(backoff=backoff, sleep=sleep, clock=clock),
         )
         self.task = asyncio.create_task(self.watch.run())
 
@@ -216,7 +214,7 @@ async def test_too_many_pods_are_not_all_kept_and_none_is_called_gone(api: FakeA
     for i in range(150):
         api.add_pod("ml", f"p{i}")
     async with client_for(api, tmp_path) as client:
-        pods = NodePods(client, node_name=NODE, max_pods=100, sleep=FakeSleep())
+        pods = NodePods(client, node_name=NODE, max_pods=100, timing=WatchTiming(sleep=FakeSleep()))
         task = asyncio.create_task(pods.run())
         try:
             await wait_for(pods.watch.fresh, what="the list")
@@ -238,7 +236,7 @@ async def test_too_many_pods_are_not_all_kept_and_none_is_called_gone(api: FakeA
 
 async def test_pods_with_names_no_pod_can_have_are_ignored(api: FakeApiServer, tmp_path: Path) -> None:
     async with client_for(api, tmp_path) as client:
-        pods = NodePods(client, node_name=NODE, sleep=FakeSleep())
+        pods = NodePods(client, node_name=NODE, timing=WatchTiming(sleep=FakeSleep()))
         task = asyncio.create_task(pods.run())
         try:
             await api.next_watch()

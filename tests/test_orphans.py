@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from agent.core.mechanism import Holder, Usage
 from agent.kube.access import kubeconfig_access
 from agent.kube.claims.model import PodRef
 from agent.kube.client import KubeClient
+from agent.kube.listwatch import WatchTiming
 from agent.kube.pods import NoApiPods, NodePods
 from agent.observe.orphans import OrphanDetector, OrphanKind
 from tests.dra_fakes import FakeClaimSource
@@ -100,13 +102,13 @@ class Setup:
 
 
 #: retries in these tests are quick: the loops under test are the detector's, not the backoff's
-QUICK = Backoff(initial_s=0.001, max_s=0.01)
+QUICK = WatchTiming(backoff=Backoff(initial_s=0.001, max_s=0.01))
 
 
 @contextlib.asynccontextmanager
 async def setup(tmp_path: Path, *, cdi_dir: Path | None = None, **orphans: object) -> AsyncIterator[Setup]:
     async with serving() as api, KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
-        pods = NodePods(client, node_name=NODE, backoff=QUICK)
+        pods = NodePods(client, node_name=NODE, timing=QUICK)
         plugin, dra, claims, events, registry = (
             Holding(),
             Holding(),
@@ -377,7 +379,7 @@ async def test_while_the_watch_cannot_answer_nothing_is_read_or_called_gone(tmp_
 async def test_a_silent_stream_from_a_server_that_sends_bookmarks_is_dropped(tmp_path: Path) -> None:
     """A dead connection says nothing; a live one carries a bookmark about every minute."""
     async with serving() as api, KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url))) as client:
-        pods = NodePods(client, node_name=NODE, backoff=QUICK, fresh_s=0.2)
+        pods = NodePods(client, node_name=NODE, timing=dataclasses.replace(QUICK, fresh_s=0.2))
         with capture_logs() as logs:
             watching = asyncio.create_task(pods.run())
             try:

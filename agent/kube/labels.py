@@ -32,26 +32,22 @@ failure streak says why.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import structlog
 
-from agent.base.backoff import Backoff
 from agent.core.mechanism import NodeStatus
 from agent.kube.access import SERVICE_ACCOUNT_DIR, kube_config_available
 from agent.kube.client import METADATA_ACCEPT, KubeClient
 from agent.kube.errors import KubeError
-from agent.kube.listwatch import FRESH_S, MIN_WATCH_TIMEOUT_S, WATCH_BACKOFF, ListWatch
+from agent.kube.listwatch import PRODUCTION, ListWatch, WatchTiming
 from agent.kube.nodestatus import allocatable_of
 
 log = structlog.get_logger("agent.kube")
 
-Sleep = Callable[[float], Awaitable[None]]
-Clock = Callable[[], float]
 OnChange = Callable[[dict[str, str]], None]
 
 
@@ -88,12 +84,7 @@ class NodeLabelSource:
         *,
         node_name: str,
         static_labels: Mapping[str, str] | None = None,
-        backoff: Backoff = WATCH_BACKOFF,
-        sleep: Sleep = asyncio.sleep,
-        clock: Clock = time.monotonic,
-        min_watch_timeout_s: float = MIN_WATCH_TIMEOUT_S,
-        fresh_s: float = FRESH_S,
-        min_watch_s: float = 1.0,
+        timing: WatchTiming = PRODUCTION,
         owns_client: bool = False,
     ) -> None:
         self._client = client
@@ -116,12 +107,7 @@ class NodeLabelSource:
             on_event=self._event,
             on_error=self._failed,
             on_recovered=self._recovered,
-            backoff=backoff,
-            sleep=sleep,
-            clock=clock,
-            min_timeout_s=min_watch_timeout_s,
-            fresh_s=fresh_s,
-            min_watch_s=min_watch_s,
+            timing=timing,
         )
         #: the current failure streak's error ("" when the last request worked)
         self.last_error = ""

@@ -38,6 +38,7 @@ import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -57,6 +58,24 @@ WATCH_BACKOFF = Backoff(initial_s=1.0, factor=2.0, max_s=30.0, jitter=0.5)
 MIN_WATCH_TIMEOUT_S = 300.0
 #: three missed bookmarks (the API server sends one about every minute)
 FRESH_S = 150.0
+
+
+@dataclass(frozen=True, slots=True)
+class WatchTiming:
+    """How a watch waits: the production values by default, a fake sleep and clock in tests."""
+
+    backoff: Backoff = WATCH_BACKOFF
+    sleep: Sleep = asyncio.sleep
+    clock: Clock = time.monotonic
+    #: each stream asks the server for a timeout of 1 to 2 times this
+    min_timeout_s: float = MIN_WATCH_TIMEOUT_S
+    #: the view is current while the server was heard from within this
+    fresh_s: float = FRESH_S
+    #: a stream that ends cleanly sooner than this, with no events, counts as a failure
+    min_watch_s: float = 1.0
+
+
+PRODUCTION = WatchTiming()
 
 
 class ListWatch:
@@ -81,12 +100,7 @@ class ListWatch:
         on_recovered: Callable[[], None] = lambda: None,
         accept: str = JSON,
         list_accept: str = JSON,
-        backoff: Backoff = WATCH_BACKOFF,
-        sleep: Sleep = asyncio.sleep,
-        clock: Clock = time.monotonic,
-        min_timeout_s: float = MIN_WATCH_TIMEOUT_S,
-        fresh_s: float = FRESH_S,
-        min_watch_s: float = 1.0,
+        timing: WatchTiming = PRODUCTION,
         rng: random.Random | None = None,
     ) -> None:
         self._client = client
@@ -98,13 +112,12 @@ class ListWatch:
         self._on_recovered = on_recovered
         self._accept = accept
         self._list_accept = list_accept
-        self._backoff = backoff
-        self._sleep = sleep
-        self._clock = clock
-        self._min_timeout_s = min_timeout_s
-        self._fresh_s = fresh_s
-        #: a stream that ends cleanly sooner than this, with no events, counts as a failure
-        self._min_watch_s = min_watch_s
+        self._backoff = timing.backoff
+        self._sleep = timing.sleep
+        self._clock = timing.clock
+        self._min_timeout_s = timing.min_timeout_s
+        self._fresh_s = timing.fresh_s
+        self._min_watch_s = timing.min_watch_s
         self._rng = rng or random.Random()
         #: where the next watch resumes; "" means list first
         self.resource_version = ""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -32,10 +31,9 @@ from urllib.parse import quote
 
 import structlog
 
-from agent.base.backoff import Backoff
 from agent.kube.client import METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
 from agent.kube.errors import KubeError, KubeNotFoundError
-from agent.kube.listwatch import FRESH_S, MIN_WATCH_TIMEOUT_S, WATCH_BACKOFF, Clock, ListWatch, Sleep
+from agent.kube.listwatch import PRODUCTION, ListWatch, WatchTiming
 
 log = structlog.get_logger("agent.kube")
 
@@ -95,11 +93,7 @@ class NodePods:
         node_name: str,
         max_pods: int = MAX_PODS,
         timeout_s: float = LOOKUP_TIMEOUT_S,
-        backoff: Backoff = WATCH_BACKOFF,
-        sleep: Sleep = asyncio.sleep,
-        clock: Clock = time.monotonic,
-        min_watch_timeout_s: float = MIN_WATCH_TIMEOUT_S,
-        fresh_s: float = FRESH_S,
+        timing: WatchTiming = PRODUCTION,
     ) -> None:
         self._client = client
         self.node_name = node_name
@@ -120,11 +114,7 @@ class NodePods:
             on_recovered=self._recovered,
             accept=METADATA_ACCEPT,
             list_accept=METADATA_LIST_ACCEPT,
-            backoff=backoff,
-            sleep=sleep,
-            clock=clock,
-            min_timeout_s=min_watch_timeout_s,
-            fresh_s=fresh_s,
+            timing=timing,
         )
 
     @property
