@@ -44,7 +44,8 @@ away follows theirs, which the pod watch sees. Only someone removing that finali
 a pod still runs on the claim goes unseen until the pod ends.
 
 Bounds: at most ``orphans.max_lookups`` API reads per check (confirmations first, then claims
-never read, then claims whose last read failed); state is kept only for what is held now.
+never read, then claims whose last read failed, each after a backoff that doubles from one
+interval to ten minutes); state is kept only for what is held now.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ log = structlog.get_logger("agent.orphans")
 MAX_LISTED = 100
 #: checks in a row that must agree before something is called an orphan
 CONFIRMATIONS = 2
+#: the longest wait before a claim whose reads failed is read again
+MAX_RETRY_S = 600.0
 
 
 class OrphanKind(StrEnum):
@@ -143,6 +146,9 @@ class _ClaimSeen:
     reserved_for: tuple[tuple[str, str], ...] = ()
     #: the reservation already read again because every pod in it had gone
     refreshed_for: tuple[tuple[str, str], ...] = ()
+    #: reads in a row that failed, and when the next may be made
+    failures: int = 0
+    retry_at: float = 0.0
 
     @property
     def unreserved(self) -> bool:
@@ -344,6 +350,9 @@ class OrphanDetector:
         seen = self._claim_seen.get(ref)
         if seen is None:
             return 1  # first held: its UID and reservedFor
+        if seen.retry_at > self._clock():
+            self.last_error = seen.reason  # the last read failed: not again before its backoff
+            return None
         if seen.state is PodState.UNKNOWN:
             return 2
         if seen.state is PodState.GONE or seen.unreserved:
@@ -400,8 +409,14 @@ class OrphanDetector:
         old = self._claim_seen.get(ref)
         if answer.state is PodState.UNKNOWN:
             self.last_error = answer.reason
+            # a read that keeps failing (RBAC, an API server in trouble) is not repeated every check
+            answer.failures = (old.failures if old is not None else 0) + 1
+            interval = self._config.config.orphans.interval_s
+            answer.retry_at = answer.at + min(MAX_RETRY_S, interval * 2 ** min(answer.failures - 1, 16))
             if old is not None and old.state is not PodState.UNKNOWN:
-                old.at, old.reason = answer.at, answer.reason  # neither confirms nor clears what was known
+                # neither confirms nor clears what was known
+                old.at, old.reason = answer.at, answer.reason
+                old.failures, old.retry_at = answer.failures, answer.retry_at
                 return
         if answer.state is PodState.GONE or answer.unreserved:
             answer.suspect = (old.suspect if old is not None else 0) + 1
