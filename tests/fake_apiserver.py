@@ -9,9 +9,10 @@ Nodes (get, list, watch; a status with ``allocatable`` when a test sets one), Po
 watch with the field selectors a real one allows, ``spec.nodeName`` among them; whole or as
 ``PartialObjectMetadata``) and Events (create, patch, list). ResourceSlices are stored in the
 v1 shape and converted to and from v1beta1's ``basic`` nesting. Validation and error wording
-follow what a real v1.36 kube-apiserver answers (``shared/reference/resource-api.md``,
-"Observed"), resourceVersions are a global counter, a stale update is 409 Conflict, and a watch from a compacted
-resourceVersion gets 410 Gone.
+follow what a real v1.36 kube-apiserver answers (kubernetes/kubernetes
+``pkg/apis/resource/validation``, and its answers as observed), resourceVersions are a global
+counter, a stale update is 409 Conflict, and a watch from a compacted resourceVersion gets
+410 Gone.
 
 Rudeness knobs: ``delay_s`` on every response, :meth:`fail` (any status, N times or until
 cleared), :meth:`hang` (accept and never answer), :meth:`close_watches` (abort),
