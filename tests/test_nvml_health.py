@@ -292,6 +292,25 @@ async def test_registration_failing_with_unknown_recreates_the_set_without_that_
     assert fake.live_sets() == [] and all(s.freed for s in fake.event_sets)
 
 
+async def test_a_gpu_that_keeps_refusing_registration_leaves_the_others_monitored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each retry of the refusing GPU frees the set, so for a backoff no GPU is watched. Timed
+    from when the refusing GPU went blind, that moment took every other GPU out as UNKNOWN at
+    every retry (and made the test above name GPU 0 first when a loaded machine was slow)."""
+    monkeypatch.setattr(nvml_events, "REFUSED_RETRY_MIN_S", 0.2)
+    fake = h100_node()
+    fake.gpus[2].register_error = fake_pynvml.NVML_ERROR_UNKNOWN
+    b = await opened(fake, tmp_path, EVENTS, blind_after_s=0.1)
+    inventory = await b.load()
+    refusing = inventory.gpus[2].uuid
+    async with watching(b, inventory) as signals:
+        # sets: refused, without it, refused again on the retry, without it, refused, without it
+        await until(lambda: len(fake.event_sets) >= 6)
+    seen = [signals.get_nowait() for _ in range(signals.qsize())]
+    assert [s.uuid for s in seen if s.kind in (SignalKind.UNMONITORED, SignalKind.MONITORED)] == [refusing]
+
+
 async def test_a_wait_that_keeps_failing_takes_gpus_out_as_unknown_until_events_flow(tmp_path: Path) -> None:
     fake = h100_node()
     b = await opened(fake, tmp_path, CHECKS, blind_after_s=0.1)

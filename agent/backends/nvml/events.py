@@ -24,7 +24,8 @@ What the thread does when NVML misbehaves (each documented in ``nvml.h``):
 * Any other wait error: retried with a backoff (50 ms doubling to 5 s); after
   ``RECREATE_AFTER`` failures in a row the set is freed and re-created.
 * While events cannot be received (no set, waits failing, a GPU that could not be
-  registered) for longer than ``blind_after_s``, the affected GPUs are reported
+  registered) for longer than ``blind_after_s`` (timed per GPU: the moment a set is re-created
+  around a refusing GPU does not count for the others), the affected GPUs are reported
   ``UNMONITORED``: an Xid on them would go unseen, so they are taken out of service as
   UNKNOWN rather than left "healthy" forever; ``MONITORED`` follows once events flow again.
   GPUs that support no event type at all are not blind (their periodic checks are all
@@ -209,7 +210,9 @@ class EventWatcher:
             self._call_on_loop(self._exited.set)
 
     def _watch(self, state: _SetState) -> None:
-        blind_since: float | None = None
+        # per GPU: a GPU that keeps refusing registration must not make the others' blips
+        # (the set re-created around it, a 50 ms backoff) count as long blindness
+        blind_since: dict[str, float] = {}
         reported: set[str] = set()
         while not self._stop.is_set():
             followed = self._snapshot()
@@ -224,14 +227,11 @@ class EventWatcher:
                 self._wait_once(state, followed)
             blind = self._blind_now(state, followed)
             now = self._clock()
-            if blind and blind_since is None:
-                blind_since = now
-            elif not blind:
-                blind_since = None
-            if blind_since is not None and now - blind_since >= self._blind_after_s:
-                for uuid in sorted(blind - reported):
+            blind_since = {uuid: blind_since.get(uuid, now) for uuid in blind}
+            for uuid in sorted(blind - reported):
+                if now - blind_since[uuid] >= self._blind_after_s:
                     self._send(Signal(uuid=uuid, kind=SignalKind.UNMONITORED, detail=self._last_error or ""))
-                reported |= blind
+                    reported.add(uuid)
             for uuid in sorted(reported - blind):
                 self._send(Signal(uuid=uuid, kind=SignalKind.MONITORED))
             reported &= blind
