@@ -54,6 +54,22 @@ def test_inventory_without_gpus_and_explicit_nvml() -> None:
     assert err.startswith("gpu-agent: error:") and "NVML" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["inventory"], ["config", "plan", "CONFIG", "--debug-addr", "127.0.0.1:1"], ["cdi", "generate"]],
+    ids=["inventory", "config-plan", "cdi-generate"],
+)
+def test_every_command_that_reads_nvml_takes_the_driver_root(command: list[str], tmp_path: Path) -> None:
+    """``run`` and ``cdi generate`` had --driver-root; ``inventory`` and ``config plan`` did not."""
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    args = [str(config) if arg == "CONFIG" else arg for arg in command]
+    code, _, err = invoke(*args, "--backend", "nvml", "--driver-root", str(driver))
+    assert code == 1 and f"libnvidia-ml.so.1 not found under {driver} " in err, err
+
+
 CONFIG = """
 ownership:
   default: device-plugin
