@@ -122,6 +122,7 @@ class Node(RuleBasedStateMachine):
     def start_agent(self) -> None:
         """A (re)start: nothing survives from memory but what the agent re-derives."""
         self.ownership = OwnershipState()
+        self.snapshot = None  # PodResources is asked afresh: an answer from before the restart is gone
         self.publisher = ModelPublisher(self.inventory, self.publisher.written)
         cdi = create_cdi_service(self.config, inventory=self.inventories)
         self.dra: DraMechanism = self.run(
