@@ -408,7 +408,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show the node's GPUs: owner, health, who holds each one and how busy it is (from the running agent)."""
-    from agent.cli.status import render, rows_from_state
+    from agent.cli.status import render, rows_from_state, summary
     from agent.observe.debug.client import fetch_agent_state
 
     configure_logging("warning")
@@ -417,9 +417,7 @@ def status(
         state = fetch_agent_state(cfg.debug_addr)
     rows = rows_from_state(state)
     if as_json:
-        typer.echo(
-            json.dumps({"node": state.get("node", {}).get("name"), "gpus": [r.as_dict() for r in rows]}, indent=2)
-        )
+        typer.echo(json.dumps(summary(state, rows), indent=2))
     else:
         typer.echo(render(state, rows))
 
