@@ -264,8 +264,18 @@ class FakeGpu:
 
 @dataclass(frozen=True, eq=False)
 class Handle:
+    """A device handle. As nvidia-ml-py's ``c_nvmlDevice_t`` pointers are, a new object on every
+    call (and on every read of an event's ``device``); two handles of one device are equal, as
+    the addresses those pointers hold are, never the same object."""
+
     gpu: FakeGpu
     mig: FakeMig | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.gpu is self.gpu and other.mig is self.mig
+
+    def __hash__(self) -> int:
+        return hash((id(self.gpu), id(self.mig)))
 
 
 @dataclass(eq=False)
