@@ -174,7 +174,7 @@ def run(
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT."""
-    from agent.runtime.app import RunOptions
+    from agent.runtime.phase1 import RunOptions
 
     overrides = collect_overrides(
         backend=backend,
