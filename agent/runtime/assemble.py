@@ -42,7 +42,7 @@ from agent.observe.metrics.agent import AgentCollector, LoopLagProbe
 from agent.observe.metrics.gpus import GpuCollector
 from agent.observe.observers import Observers, build_observers
 from agent.runtime.agent import Agent
-from agent.runtime.app import Core, RunOptions
+from agent.runtime.phase1 import Core, RunOptions
 
 log = structlog.get_logger("agent")
 
@@ -91,6 +91,7 @@ async def build_rest(
         claims=claims,
         claim_specs=ClaimSpecDirectory(config.paths.cdi_root, config.cdi.claim_kind) if config.cdi.enabled else None,
         events=events,
+        node=labels if isinstance(labels, NodeLabelSource) else None,
     )
     agent = build_agent(
         config_state=core.config_state,
