@@ -19,6 +19,9 @@ plugin (``example.com/resource``), and then, alternating agent and Go round by r
    straight on each plugin's socket, one caller (p50, p99) and 32 callers on one channel
    (calls/s), in alternating chunks.
 3. **RSS** of each process afterwards (VmRSS), both of the agent's mechanisms serving.
+4. With ``--other-paths N``, the paths that must not get slower, N times each: agent process start
+   -> its ListAndWatch lists the device plugin's GPUs; a health change (``/debug/simulated/health``)
+   -> the ListAndWatch update; a kubelet restart -> the agent's ResourceSlices published again.
 
 With ``--trace`` the agent runs through ``bench/prepare_trace.py`` and the per-phase time of its
 NodePrepareResources calls is printed too (the wrappers cost a little; compare without it).
@@ -359,6 +362,77 @@ def allocate_rounds(rounds: int, calls: int, callers: int) -> dict[str, dict[str
     return out
 
 
+# --- the paths that must stay where they are ----------------------------------------------
+
+
+def process_start_wall(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    uptime = float(Path("/proc/uptime").read_text().split()[0])
+    return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def first_list(socket: Path, want: int, deadline: float) -> float | None:
+    """Wall time at which a ListAndWatch on ``socket`` first lists ``want`` healthy devices."""
+    while time.time() < deadline:
+        try:
+            if len(plugin_devices(socket)) == want:
+                return time.time()
+        except (grpc.RpcError, StopIteration):
+            pass
+        time.sleep(0.01)
+    return None
+
+
+def agent_slices() -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = Api().get("/apis/resource.k8s.io/v1/resourceslices")["items"]
+    return [s for s in items if s["spec"]["driver"] == AGENT_DRIVER]
+
+
+def other_paths(api: Api, restarts: int) -> dict[str, list[float]]:
+    """Agent start -> devices offered, health -> ListAndWatch, kubelet restart -> slices back."""
+    out: dict[str, list[float]] = {"start": [], "health": [], "kubelet": []}
+    for _ in range(restarts):
+        ctl("restart", "gpu-agent")
+        pid = pid_of("gpu-agent")
+        started = process_start_wall(pid)
+        offered = first_list(AGENT_SOCKET, 4, time.time() + 60)
+        if offered is not None:
+            out["start"].append(offered - started)
+        wait_for("the kubelet to register the agent's DRA plugin", dra_registered, 60, 0.2)
+    wait_for("the agent's slices", agent_slices, 60, 0.2)
+    gpu_uuid = {d["index"]: d["uuid"] for d in debug_state()["devices"]}[5]
+    with grpc.insecure_channel(f"unix://{AGENT_SOCKET}") as channel:
+        stream = pb_grpc.DevicePluginStub(channel).ListAndWatch(pb.Empty(), timeout=120)
+        next(stream)
+        for healthy in [False, True] * restarts:
+            started = time.monotonic()
+            body = json.dumps({"device": "5", "healthy": healthy, **({} if healthy else {"xid": 79})}).encode()
+            import urllib.request
+
+            request = urllib.request.Request(f"{DEBUG}/debug/simulated/health", data=body, method="POST")
+            urllib.request.urlopen(request, timeout=10).read()
+            want = "Healthy" if healthy else "Unhealthy"
+            for response in stream:
+                if any(gpu_uuid == d.ID and d.health == want for d in response.devices):
+                    out["health"].append(time.monotonic() - started)
+                    break
+        stream.cancel()
+    for _ in range(restarts):
+        before = {s["metadata"]["uid"] for s in agent_slices()}
+        started = time.monotonic()
+        ctl("restart", "kubelet")
+        wait_for(
+            "the agent's slices published again after the kubelet's restart",
+            lambda before=before: (now := {s["metadata"]["uid"] for s in agent_slices()}) and not now & before,
+            120,
+            0.05,
+        )
+        out["kubelet"].append(time.monotonic() - started)
+        wait_for("the node Ready", lambda: api.call("GET", f"/api/v1/nodes/{NODE}")[0] == 200, 60, 0.5)
+        wait_for("the kubelet to register the agent's DRA plugin", dra_registered, 60, 0.2)
+    return out
+
+
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -449,6 +523,20 @@ def main(args: argparse.Namespace) -> None:
         }
         load_after = os.getloadavg()
         report(dra, allocate, rss, sizes, load_before, load_after)
+        if args.other_paths:
+            paths = other_paths(api, args.other_paths)
+            print("\nother paths (agent only), median and range (s):")
+            for key, label in (
+                ("start", "agent process start -> ListAndWatch lists its 4 GPUs"),
+                ("health", "health POST -> ListAndWatch update"),
+                ("kubelet", "kubelet restart -> the agent's ResourceSlices published again"),
+            ):
+                values = paths[key]
+                if values:
+                    print(
+                        f"  {label:64s} {statistics.median(values):6.3f}  ({min(values):.3f}-{max(values):.3f},"
+                        f" n={len(values)})"
+                    )
         if trace is not None:
             print_trace(trace)
     finally:
@@ -521,4 +609,7 @@ if __name__ == "__main__":
     parser.add_argument("--allocate-rounds", type=int, default=4)
     parser.add_argument("--callers", type=int, default=32)
     parser.add_argument("--trace", action="store_true", help="run the agent through bench/prepare_trace.py")
+    parser.add_argument(
+        "--other-paths", type=int, default=0, metavar="N", help="then N agent restarts, health flips, kubelet restarts"
+    )
     main(parser.parse_args())
