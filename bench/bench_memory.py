@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import multiprocessing
 import os
 import shutil
-import ssl
 import subprocess
 import sys
 import tempfile
@@ -48,8 +46,7 @@ from bench.bench_compare import (
     rss_mib,
     until,
 )
-from bench.bench_prepare import self_signed
-from tests.fake_apiserver import FakeApiServer, write_kubeconfig
+from bench.bench_prepare import https_api
 
 
 def package_of(module: str) -> str:
@@ -87,15 +84,9 @@ async def main(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="bm-", dir="/tmp"))
     out = work / "imports.json"
     try:
-        cert, key = self_signed(work)
-        server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        server_ssl.load_cert_chain(cert, key)
-        api = await FakeApiServer().start(server_ssl)
         pairs = 200
-        try:
+        async with https_api(work) as (api, kubeconfig):
             put_claims(api, pairs, [4], "rss")
-            ca = base64.b64encode(cert.read_bytes()).decode()
-            kubeconfig = write_kubeconfig(work, api.url, {"token": "t"}, **{"certificate-authority-data": ca})
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 bench = Bench(pool)
                 async with agent_process(
@@ -120,8 +111,6 @@ async def main(args: argparse.Namespace) -> None:
                     steady = rss_mib(agent.server.pid)
                     print(f"python {sys.version.split()[0]}; load average {os.getloadavg()[0]:.2f}")
                     print(f"VmRSS when ready {ready:.1f} MiB, after the burst {steady:.1f} MiB")
-        finally:
-            await api.stop()
         clean = work / "replayed.json"
         await asyncio.to_thread(
             subprocess.run,

@@ -19,15 +19,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import multiprocessing
 import os
 import shutil
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,18 +47,24 @@ from bench.bench_compare import (
     until,
 )
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
+from tests.selfsigned import self_signed
 
 NAMESPACE = "prep"
 
 
-def self_signed(work: Path) -> tuple[Path, Path]:
-    cert, key = work / "server.crt", work / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+@contextlib.asynccontextmanager
+async def https_api(work: Path) -> AsyncIterator[tuple[FakeApiServer, Path]]:
+    """A fake API server over HTTPS (a self-signed certificate, so the agent's TLS client path runs
+    as in a cluster) and a kubeconfig that trusts it."""
+    cert, key = self_signed(work)
+    server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ssl.load_cert_chain(cert, key)
+    api = await FakeApiServer().start(server_ssl)
+    try:
+        ca = base64.b64encode(cert.read_bytes()).decode()
+        yield api, write_kubeconfig(work, api.url, {"token": "t"}, **{"certificate-authority-data": ca})
+    finally:
+        await api.stop()
 
 
 def median_table(lines: list[dict[str, Any]], client_ms: list[float], label: str) -> None:
@@ -84,18 +91,12 @@ async def main(args: argparse.Namespace) -> None:
     )
     work = Path(tempfile.mkdtemp(prefix="bp-", dir=args.work_dir))
     try:
-        cert, key = self_signed(work)
-        server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        server_ssl.load_cert_chain(cert, key)
-        api = await FakeApiServer().start(server_ssl)
-        try:
+        async with https_api(work) as (api, kubeconfig):
             for r in range(args.rounds):
                 for size in sizes:
                     for i in range(size):
                         name = f"r{r}s{size}-c{i}"
                         api.put_claim(claim_object(name, f"uid-{name}", f"gpu-{i}", NAMESPACE))
-            ca = base64.b64encode(cert.read_bytes()).decode()
-            kubeconfig = write_kubeconfig(work, api.url, {"token": "t"}, **{"certificate-authority-data": ca})
             trace = work / "trace.jsonl"
             config = "ownership: {default: dra}\n"
             agent_args: tuple[str, ...] = ("--kubeconfig", str(kubeconfig))
@@ -118,16 +119,14 @@ async def main(args: argparse.Namespace) -> None:
                     latencies = await bench.call(
                         client.dra_prepare_sizes, str(socket_path), args.rounds, sizes, NAMESPACE
                     )
-            lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
-            lines = [x for x in lines if "driver: whole batch" in x["phases"]]  # not the warm-up call
-            print(f"checkpoint on {fs_type(work)}, CDI specs on {'tmpfs' if args.cdi_tmpfs else fs_type(work)}")
-            for size in sizes:
-                mine = [x for x in lines if x["phases"].get("claim: read (GET + decode)", {}).get("n") == size]
-                median_table(mine, [s * 1000 for s in latencies[f"prepare {size}"]], f"prepare {size}")
-                unprepare = statistics.median(latencies[f"unprepare {size}"]) * 1000
-                print(f"  unprepare {size}: client median {unprepare:.2f}")
-        finally:
-            await api.stop()
+        lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
+        lines = [x for x in lines if "driver: whole batch" in x["phases"]]  # not the warm-up call
+        print(f"checkpoint on {fs_type(work)}, CDI specs on {'tmpfs' if args.cdi_tmpfs else fs_type(work)}")
+        for size in sizes:
+            mine = [x for x in lines if x["phases"].get("claim: read (GET + decode)", {}).get("n") == size]
+            median_table(mine, [s * 1000 for s in latencies[f"prepare {size}"]], f"prepare {size}")
+            unprepare = statistics.median(latencies[f"unprepare {size}"]) * 1000
+            print(f"  unprepare {size}: client median {unprepare:.2f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import shutil
 import ssl
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
 from agent.kube.listwatch import WatchTiming
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
+from tests.selfsigned import self_signed
 
 
 @pytest.fixture
@@ -182,13 +182,7 @@ def server_cert(tmp_path: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and its key."""
     if shutil.which("openssl") is None:
         pytest.skip("needs openssl to make a certificate")
-    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
+    return self_signed(tmp_path)
 
 
 async def test_tls_with_certificate_authority_data(tmp_path: Path, server_cert: tuple[Path, Path]) -> None:
