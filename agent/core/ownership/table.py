@@ -16,11 +16,12 @@ always belong to their parent's owner.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from agent.base.feeds import Broadcast
-from agent.core.config.schema import NodeRule, Owner, OwnershipConfig
+from agent.core.config.schema import NodeMatch, NodeRule, Owner, OwnershipConfig
 from agent.core.inventory.model import Inventory
 
 
@@ -95,16 +96,30 @@ class OwnershipTable:
         return len(self.draining)
 
 
-def node_rule_for(
-    config: OwnershipConfig, node_name: str, node_labels: Mapping[str, str]
-) -> tuple[int, NodeRule] | None:
-    """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
-    for i, rule in enumerate(config.nodes):
+class _Matched(Protocol):
+    @property
+    def match(self) -> NodeMatch: ...
+
+
+R = TypeVar("R", bound=_Matched)
+
+
+def first_match(rules: Sequence[R], node_name: str, node_labels: Mapping[str, str]) -> tuple[int, R] | None:
+    """The first rule matching this node, by name or by all its labels: the one matching rule of
+    ``ownership.nodes`` and of ``dra.publish.nodes``."""
+    for i, rule in enumerate(rules):
         by_name = bool(rule.match.names) and node_name in rule.match.names
         by_labels = bool(rule.match.labels) and all(node_labels.get(k) == v for k, v in rule.match.labels.items())
         if by_name or by_labels:
             return i, rule
     return None
+
+
+def node_rule_for(
+    config: OwnershipConfig, node_name: str, node_labels: Mapping[str, str]
+) -> tuple[int, NodeRule] | None:
+    """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
+    return first_match(config.nodes, node_name, node_labels)
 
 
 def compute_ownership(

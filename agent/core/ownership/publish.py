@@ -1,0 +1,90 @@
+"""How DRA should publish each GPU (``dra.publish``): ``whole``, ``dynamic-mig`` or ``shared``.
+
+The desired publish mode is a pure function of the inventory, the config, the node's name and
+labels — :func:`compute_publish_modes` — with the match rules of ownership
+(:func:`agent.core.ownership.table.first_match`): the ``dra.publish`` default, then the first
+``dra.publish.nodes`` rule that matches the node, then that rule's per-GPU entries by UUID or
+index. A per-GPU entry naming no GPU of this node is inert and listed, as ownership's are.
+
+The mode only matters for GPUs DRA is granted. DRA decides when a *change* of mode takes
+effect (``agent.dra.modes``): a GPU whose prepared claims the new shape cannot honour waits
+for them, unpublished meanwhile, as a handover does. This module only says what is wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from agent.base.feeds import Broadcast
+from agent.core.config.schema import DraConfig, PublishMode, SharingConfig
+from agent.core.inventory.model import Inventory
+from agent.core.ownership.table import first_match
+
+
+@dataclass(frozen=True, slots=True)
+class PublishTable:
+    """The desired publish mode of each GPU of the node, and the rule that chose it."""
+
+    #: config version the table was computed from
+    version: str = ""
+    #: GPU UUID -> mode; a GPU not listed (not on the node) is published whole
+    modes: Mapping[str, PublishMode] = field(default_factory=dict)
+    #: GPU UUID -> the rule that decided it ("dra.publish.default", "dra.publish.nodes[0].gpus['3']", ...)
+    rules: Mapping[str, str] = field(default_factory=dict)
+    #: per-GPU entries that name no GPU on this node: inert until such a GPU appears
+    inert: tuple[str, ...] = ()
+    #: ``dra.sharing``: how shared GPUs are published and prepared
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+
+    def mode_of(self, gpu_uuid: str) -> PublishMode:
+        return self.modes.get(gpu_uuid, PublishMode.WHOLE)
+
+
+def compute_publish_modes(
+    inventory: Inventory,
+    dra: DraConfig,
+    *,
+    node_name: str,
+    node_labels: Mapping[str, str],
+    version: str = "",
+) -> PublishTable:
+    """The desired mode per GPU: ``dra.publish`` default, then the node rule, then its per-GPU entries."""
+    config = dra.publish
+    default, default_rule = config.default, "dra.publish.default"
+    overrides: Mapping[str, PublishMode] = {}
+    rule_label = "dra.publish"
+    matched = first_match(config.nodes, node_name, node_labels)
+    if matched is not None:
+        index, rule = matched
+        rule_label = f"dra.publish.nodes[{index}]"
+        if rule.default is not None:
+            default, default_rule = rule.default, f"{rule_label}.default"
+        overrides = rule.gpus
+    modes = {gpu.uuid: default for gpu in inventory.gpus}
+    rules = {gpu.uuid: default_rule for gpu in inventory.gpus}
+    inert: list[str] = []
+    for key, mode in overrides.items():
+        gpu = inventory.find(key)
+        where = f"{rule_label}.gpus[{key!r}]"
+        if gpu is None:
+            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
+            continue
+        modes[gpu.uuid], rules[gpu.uuid] = mode, where
+    return PublishTable(version=version, modes=modes, rules=rules, inert=tuple(inert), sharing=dra.sharing)
+
+
+class PublishState:
+    """The desired publish modes and a feed of changes; the composition root is the only writer."""
+
+    def __init__(self, table: PublishTable | None = None) -> None:
+        self.current = table or PublishTable()
+        self.changes: Broadcast[PublishTable] = Broadcast()
+
+    def update(self, table: PublishTable) -> bool:
+        """Install ``table``; publishes and returns True only when a GPU's mode (or ``dra.sharing``) changed."""
+        changed = dict(table.modes) != dict(self.current.modes) or table.sharing != self.current.sharing
+        self.current = table
+        if changed:
+            self.changes.publish(table)
+        return changed
