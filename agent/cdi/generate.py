@@ -23,6 +23,8 @@ from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Hook, Spec, check
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 ALL_DEVICES = "all"
+#: the separator of a share key (``agent.cdi.claimenv.share_key``; that module builds on this one)
+SHARE_SEPARATOR = "-share-"
 
 
 class DriverView(Protocol):
@@ -118,7 +120,8 @@ def device_plugin_spec(kind: str, inventory: Inventory, driver: DriverView) -> G
 def claim_spec(
     kind: str, claim_uid: str, device_ids: Sequence[str], inventory: Inventory, driver: DriverView
 ) -> GeneratedSpec:
-    """The transient spec of one claim; ``device_ids`` are GPU or MIG UUIDs (or GPU indexes).
+    """The transient spec of one claim; ``device_ids`` are GPU or MIG UUIDs (or GPU indexes), or
+    share keys (``agent.cdi.claimenv.share_key``: one device per share of a GPU).
 
     An ID the inventory does not know is an UnknownCdiDeviceError; a known device whose
     nodes are missing is skipped (the claim's other devices still get their names).
@@ -128,7 +131,7 @@ def claim_spec(
     names: dict[str, str] = {}
     skipped: list[str] = []
     for device_id in dict.fromkeys(device_ids):
-        edits = _claimed_edits(device_id, inventory, driver)
+        edits = _claimed_edits(device_id.partition(SHARE_SEPARATOR)[0], inventory, driver)
         if edits is None:
             skipped.append(_skip_reason("claimed", device_id))
             continue

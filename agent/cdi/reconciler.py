@@ -88,7 +88,9 @@ def desired_state(
     for uid, value in sorted(claims.items()):
         claimed = as_claim_devices(value)
         try:
-            claim = with_env(generate.claim_spec(claim_kind, uid, claimed.devices, inventory, driver), claimed.env)
+            claim = with_env(
+                generate.claim_spec(claim_kind, uid, claimed.devices, inventory, driver), claimed.env, claimed.mounts
+            )
             name = transient_spec_file_name(claim_kind, uid)
         except CdiError as exc:
             errors.append(f"claim {uid}: {exc}")
