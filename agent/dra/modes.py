@@ -57,6 +57,7 @@ SHOWN_CLAIMS = 3
 class Held:
     """One device a prepared claim, or a claim being prepared, holds."""
 
+    #: the claim as a note names it (namespace/name, or its UID)
     claim: str
     gpu_uuid: str
     name: str

@@ -150,8 +150,9 @@ class PreparedClaim:
     devices: tuple[PreparedDevice, ...]
     #: when it was first prepared (ISO 8601 UTC)
     prepared_at: str
-    #: False when rebuilt from a CDI spec after the checkpoint was lost: the claim's name and
-    #: requests are unknown until the kubelet prepares it again (then it is completed)
+    #: False when the stored answer cannot be trusted until the kubelet prepares the claim again
+    #: (then it is completed): rebuilt from a CDI spec after the checkpoint was lost (name and
+    #: requests unknown), or left with some MIG instances destroyed by an unprepare that failed
     complete: bool = True
 
 

@@ -54,6 +54,8 @@ checkpointed and the kubelet's retry gets the stored answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -170,7 +172,7 @@ class DraDriver:
         self._metrics = metrics
         self._timeouts = timeouts
         self._now = now
-        self._reservations = Reservations(prepared)
+        self._reservations = Reservations(prepared, lambda: prepared.instances)
         self._locks = ClaimLocks(timeouts.lock_s)
         self._inflight: set[asyncio.Task[object]] = set()
         #: each GPU's shape now: the devices a claim may name
@@ -191,9 +193,9 @@ class DraDriver:
 
     def held(self) -> list[Held]:
         """Every device a prepared claim or a claim in preparation holds (the mode gate's input)."""
-        out = [Held.of(uid, d) for uid, claim in self.prepared.items() for d in claim.devices]
+        out = [Held.of(_who(claim), d) for claim in self.prepared.values() for d in claim.devices]
         for ref, planned in self._reservations.in_preparation():
-            out += [Held.planned(ref.uid, p.device) for p in planned]
+            out += [Held.planned(f"{ref.namespace}/{ref.name}", p.device) for p in planned]
         return out
 
     def holdings_version(self) -> tuple[int, int]:
@@ -341,6 +343,9 @@ class DraDriver:
                     await self.prepared.persist()
                 except CheckpointError as exc:
                     await self._undo_prepare(new, exc)
+            elif reserved:  # instance records may have changed (made, then destroyed or not)
+                with contextlib.suppress(CheckpointError):  # logged; the next write records them
+                    await self.prepared.persist()
             self._metrics.prepares.labels(result="prepared").inc(sum(1 for o in outcomes.values() if o.new))
             for ref in held:
                 answers[ref.uid] = outcomes[ref.uid].answer
@@ -491,10 +496,14 @@ class DraDriver:
             removed: list[PreparedClaim] = []
             for ref in held:
                 if destroyed.get(ref.uid):
+                    self._keep_partly_destroyed(ref.uid)
                     error = ClaimError(Reason.MIG_ERROR, destroyed[ref.uid])
                     errors[ref.uid] = self._failed("unprepare", error).error
                     continue
                 errors[ref.uid] = self._forget(ref, removed_specs.get(ref.uid), removed)
+            if not removed and with_instances:
+                with contextlib.suppress(CheckpointError):  # logged; what it would write is retried
+                    await self.prepared.persist()
             if removed:
                 try:
                     await self.prepared.persist()
@@ -514,6 +523,17 @@ class DraDriver:
             self._metrics.claim_seconds.labels(operation="unprepare").observe(now - started)
         self._metrics.prepared.set(len(self.prepared))
         return errors
+
+    def _keep_partly_destroyed(self, uid: str) -> None:
+        """A claim some of whose MIG instances would not go: it stays prepared with the devices
+        whose instances still exist (they keep their placements held), marked incomplete, so a
+        Prepare of it plans again (making what is gone) instead of answering with a gone instance."""
+        claim = self.prepared.get(uid)
+        if claim is None:
+            return
+        alive = {(r.gpu_uuid, r.placement) for r in self.prepared.instances_of(uid)}
+        devices = tuple(d for d in claim.devices if d.placement is None or (d.gpu_uuid, d.placement) in alive)
+        self.prepared.record(dataclasses.replace(claim, devices=devices, complete=False))
 
     def _forget(self, ref: ClaimRef, spec_error: CdiError | None, removed: list[PreparedClaim]) -> str:
         """Drop the claim from memory once its CDI spec is gone; its error text, or ""."""
@@ -583,3 +603,8 @@ def _check_ref(ref: ClaimRef) -> None:
             f"(at most {_MAX_NAMESPACE} and {_MAX_NAME} characters)",
             recoverable=False,
         )
+
+
+def _who(claim: PreparedClaim) -> str:
+    """A claim as a waiting note names it: namespace/name, or its UID when only that is known."""
+    return f"{claim.namespace}/{claim.name}" if claim.complete else claim.uid

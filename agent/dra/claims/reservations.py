@@ -15,11 +15,11 @@ capacity; a share and anything but another share never sit on one GPU.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from agent.core.inventory.model import MigPlacement
-from agent.dra.claims.checkpoint import PreparedClaim, PreparedDevice
+from agent.dra.claims.checkpoint import CreatedInstance, PreparedClaim, PreparedDevice
 from agent.dra.claims.errors import ClaimError, Reason
 from agent.dra.claims.plan import PlannedDevice
 from agent.kube.claims.model import ClaimRef
@@ -72,8 +72,14 @@ class _Hold:
 
 
 class Reservations:
-    def __init__(self, prepared: Mapping[str, PreparedClaim]) -> None:
+    def __init__(
+        self,
+        prepared: Mapping[str, PreparedClaim],
+        instances: Callable[[], Iterable[CreatedInstance]] = tuple,
+    ) -> None:
         self._prepared = prepared
+        #: the MIG instances the agent made (or is making): one being destroyed still takes its slices
+        self._instances = instances
         #: claim UID -> its reference and the devices it reserved
         self._reserved: dict[str, tuple[ClaimRef, list[PlannedDevice]]] = {}
         #: moves with every reservation and release (the mode gate's "did anything change?")
@@ -96,6 +102,17 @@ class Reservations:
         for uid, (_, reserved) in self._reserved.items():
             for p in reserved:
                 held.setdefault(p.device.gpu_uuid, []).append((uid, _Hold.of(p)))
+        # an instance this claim already has where it wants one is its own (made again: adopted)
+        wanted = {
+            (p.device.gpu_uuid, p.device.partition.placement, p.device.partition.profile_id)
+            for p in planned
+            if p.device.partition
+        }
+        for record in self._instances():
+            own = (record.gpu_uuid, record.placement, record.profile_id) in wanted
+            if record.claim_uid != ref.uid or not own:
+                hold = _Hold(record.uuid or "", record.gpu_uuid, "partition", False, record.placement)
+                held.setdefault(record.gpu_uuid, []).append((record.claim_uid, hold))
         mine: list[_Hold] = []
         for p in planned:
             hold = _Hold.of(p)
@@ -135,6 +152,8 @@ class Reservations:
 
     def _holder(self, uid: str) -> str:
         claim = self._prepared.get(uid)
+        if claim is None and uid not in self._reserved:
+            return f"held by a MIG instance the agent made for claim {uid}, not destroyed yet"
         if claim is None:
             return f"being prepared for claim {uid}"
         name = f"{claim.namespace}/{claim.name} " if claim.complete else ""
