@@ -393,6 +393,7 @@ async def dra_harness(
     tuning: DraTuning = FAST,
     mig: bool = False,
     mig_enabled: bool | Iterable[int] = True,
+    mig_architecture: str = "",
     publish: Any = None,
     **config: Any,
 ) -> AsyncIterator[DraHarness]:
@@ -401,10 +402,10 @@ async def dra_harness(
         backend = SimulatedBackend(preset=preset, node_name=NODE, health=HEALTH)
         inventory = await backend.load()
         if mig and isinstance(mig_enabled, bool):
-            inventory = mig_capable(inventory, enabled=mig_enabled)
+            inventory = mig_capable(inventory, enabled=mig_enabled, architecture=mig_architecture)
         elif mig:  # the GPUs at these indexes are in MIG mode, the others can do MIG but are not
             on = set(mig_enabled)
-            inventory = mig_capable(mig_capable(inventory, enabled=False), indexes=on)
+            inventory = mig_capable(mig_capable(inventory, enabled=False, architecture=mig_architecture), indexes=on)
         health = HealthMonitor(config=HEALTH)
         health.set_inventory(inventory)
         ownership = OwnershipState(ownership_table(inventory))

@@ -6,8 +6,9 @@
 * :func:`mig_capable` — an inventory whose GPUs can do MIG (profiles, slices), in MIG mode or not.
 * :class:`FakeMig` — :class:`~agent.core.partitioning.MigControl` over a small model of the
   hardware: instances per GPU, overlapping placements refused with INSUFFICIENT_RESOURCES as
-  NVML does, MIG mode required, faults on demand; :meth:`FakeMig.inventory` is the inventory
-  the backend's next load would show (the instances included).
+  NVML does, MIG mode switched on by the first instance on a Hopper GPU (and off after the last)
+  and required on an Ampere one, faults on demand; :meth:`FakeMig.inventory` is the inventory
+  the backend's next load would show (the instances and MIG mode included).
 * :class:`FakeMps` — :class:`~agent.core.partitioning.MpsControl` that records what it is told,
   like a control daemon's command log.
 """
@@ -20,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from agent.core.inventory.model import Gpu, Inventory, MigDevice, MigPlacement, MigProfile
-from agent.core.partitioning import MpsDaemon, PartitionError, PartitionErrorKind
+from agent.core.partitioning import MpsDaemon, PartitionError, PartitionErrorKind, switches_mig_mode_live
 
 
 def _profile(name: str, pid: int, c: int, m: int, n: int, starts: Iterable[int], mib: int, sm: int) -> MigProfile:
@@ -40,15 +41,23 @@ H100_PROFILES = (
 BY_ID = {p.profile_id: p for p in H100_PROFILES}
 
 
-def mig_capable(inventory: Inventory, *, enabled: bool = True, indexes: Iterable[int] | None = None) -> Inventory:
-    """``inventory`` with its GPUs (or those at ``indexes``) MIG-capable H100s, in MIG mode or not."""
+def mig_capable(
+    inventory: Inventory, *, enabled: bool = True, indexes: Iterable[int] | None = None, architecture: str = ""
+) -> Inventory:
+    """``inventory`` with its GPUs (or those at ``indexes``) MIG-capable H100s, in MIG mode or not
+    (``architecture``, e.g. "ampere", to make them need a reset for it)."""
     chosen = set(indexes) if indexes is not None else None
 
     def convert(gpu: Gpu) -> Gpu:
         if chosen is not None and gpu.index not in chosen:
             return gpu
         return dataclasses.replace(
-            gpu, mig_enabled=enabled, mig_devices=(), mig_memory_slices=8, mig_profiles=H100_PROFILES
+            gpu,
+            mig_enabled=enabled,
+            mig_devices=(),
+            mig_memory_slices=8,
+            mig_profiles=H100_PROFILES,
+            architecture=architecture or gpu.architecture,
         )
 
     return dataclasses.replace(inventory, gpus=tuple(convert(g) for g in inventory.gpus))
@@ -66,6 +75,8 @@ class FakeMig:
         self.fail_create: list[PartitionErrorKind] = []
         self.fail_destroy: list[PartitionErrorKind] = []
         self._ids = itertools.count(1)
+        #: GPUs a create switched into MIG mode (the last destroy switches them back)
+        self.switched: set[str] = set()
 
     def gpu(self, uuid: str) -> Gpu:
         gpu = next((g for g in self.base.gpus if g.uuid == uuid), None)
@@ -82,7 +93,12 @@ class FakeMig:
         return dataclasses.replace(
             self.base,
             gpus=tuple(
-                dataclasses.replace(g, mig_devices=tuple(self.instances_by_gpu.get(g.uuid, ()))) for g in self.base.gpus
+                dataclasses.replace(
+                    g,
+                    mig_devices=tuple(self.instances_by_gpu.get(g.uuid, ())),
+                    mig_enabled=g.mig_enabled or g.uuid in self.switched,
+                )
+                for g in self.base.gpus
             ),
         )
 
@@ -118,8 +134,11 @@ class FakeMig:
         if self.fail_create:
             kind = self.fail_create.pop(0)
             raise PartitionError(f"injected: {kind.value}", kind=kind)
-        if not self.gpu(parent_uuid).mig_enabled:
-            raise PartitionError("MIG mode is off", kind=PartitionErrorKind.MIG_DISABLED)
+        gpu = self.gpu(parent_uuid)
+        if not gpu.mig_enabled and parent_uuid not in self.switched:
+            if not switches_mig_mode_live(gpu.architecture):
+                raise PartitionError("MIG mode is off and needs a reset", kind=PartitionErrorKind.MIG_DISABLED)
+            self.switched.add(parent_uuid)
         return self._make(parent_uuid, profile_id, placement)
 
     async def destroy(self, parent_uuid: str, gpu_instance_id: int, compute_instance_id: int) -> None:
@@ -131,6 +150,8 @@ class FakeMig:
         for device in existing:
             if device.gpu_instance_id == gpu_instance_id and device.compute_instance_id == compute_instance_id:
                 existing.remove(device)
+                if not existing:
+                    self.switched.discard(parent_uuid)
                 return
         raise PartitionError("no such instance", kind=PartitionErrorKind.NOT_FOUND)
 

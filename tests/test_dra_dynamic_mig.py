@@ -248,12 +248,31 @@ async def test_debug_state_and_metrics_show_partitions_and_free_slices(h: DraHar
     assert h.metric("gpu_agent_dra_publish_mode", mode="dynamic-mig", desired="dynamic-mig", **labels) == 1.0
 
 
-async def test_dynamic_mig_on_a_gpu_not_in_mig_mode_is_whole_and_says_why() -> None:
-    async with dra_harness(mig=True, mig_enabled=False, publish="dynamic-mig") as h:
+async def test_an_ampere_gpu_out_of_mig_mode_is_published_whole_and_says_why() -> None:
+    async with dra_harness(mig=True, mig_enabled=False, mig_architecture="ampere", publish="dynamic-mig") as h:
         mode = h.m.driver.gate.modes()[h.gpu(0)]
-        assert mode.effective is PublishMode.WHOLE and "not in MIG mode" in mode.note
+        assert mode.effective is PublishMode.WHOLE and "not in MIG mode" in mode.note and "reset" in mode.note
         assert [d.name for d in h.m.driver.gate.devices()][:2] == ["gpu-0", "gpu-1"]
         ref = h.claims.add("a", result("gpu-0"))
         await h.kubelet().register()
         answer(await h.prepare(ref), ref.uid)
         assert h.mig is not None and h.mig.count() == 0  # a plain whole GPU: nothing to make
+
+
+async def test_a_hopper_gpu_out_of_mig_mode_is_partitioned_and_its_whole_gpu_is_itself() -> None:
+    async with dra_harness(mig=True, mig_enabled=False, publish="dynamic-mig") as h:
+        await h.kubelet().register()
+        gate = h.m.driver.gate
+        assert gate.modes()[h.gpu(0)].effective is PublishMode.DYNAMIC_MIG
+        assert gate.devices_by_name()["gpu-0"].partition is None  # the GPU itself
+        whole = h.claims.add("whole", result("gpu-0"))
+        (device,) = answer(await h.prepare(whole), whole.uid)
+        assert device[3] == (f"{KIND}={whole.uid}-{h.gpu(0)}",)
+        assert h.mig is not None and h.mig.count() == 0
+        # on another GPU, the first partition switches MIG mode on; the last one going, off again
+        part = h.claims.add("part", result("gpu-1-mig-1g10gb-19-0"))
+        answer(await h.prepare(part), part.uid)
+        assert h.inventory.gpus[1].mig_enabled and placements(h, 1) == [(0, 1)]
+        assert gate.devices_by_name()["gpu-1"].partition is not None  # in MIG mode: the 7g instance
+        await h.unprepare(part)
+        assert not h.inventory.gpus[1].mig_enabled

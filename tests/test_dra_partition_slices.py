@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from agent.core.config.loader import build_config
+from agent.core.config.schema import Owner
 from agent.core.ownership.publish import PublishState, compute_publish_modes
 from agent.dra.devices import dra_devices
 from agent.dra.modes import ModeGate
@@ -192,6 +193,6 @@ async def test_fields_dropped_after_the_probe_fall_back_loudly(tmp_path: Path) -
         await until(lambda: publisher.readiness().ok and len(api.slices_of()) == 5, "published")
         api.partitionable = False  # the gate switched off under a running agent
         publisher.resync()
-        node.inventory.update(mig_capable(await _inventory(), indexes=range(1, 8)))  # forces a write
+        node.own(Owner.DRA, **{"7": Owner.DEVICE_PLUGIN})  # forces a write
         await until(lambda: gate.support.counters is False, "noticed")
         await until(lambda: not _counter_slices(api) and publisher.readiness().ok, "whole again")

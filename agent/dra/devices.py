@@ -35,6 +35,7 @@ from typing import Literal
 
 from agent.core.config.schema import PublishMode
 from agent.core.inventory.model import Gpu, Inventory, MigDevice, MigPlacement
+from agent.core.partitioning import switches_mig_mode_live
 from agent.dra.partitions import (
     CounterSet,
     CounterUse,
@@ -43,6 +44,7 @@ from agent.dra.partitions import (
     counter_set,
     full_profile,
     partitions,
+    whole_consumption,
     whole_partition,
 )
 
@@ -190,10 +192,11 @@ def can_partition(gpu: Gpu) -> str:
     """Why ``gpu`` cannot be published ``dynamic-mig`` ("" when it can)."""
     if not gpu.mig_profiles or gpu.mig_memory_slices <= 0:
         return "the GPU cannot do MIG (no MIG profiles)"
-    if not gpu.mig_enabled:
+    if not gpu.mig_enabled and not switches_mig_mode_live(gpu.architecture):
         return (
-            "the GPU is not in MIG mode; the agent does not switch it (that needs no process on the GPU "
-            "and, on many models, a reset): enable it with nvidia-smi -i <index> -mig 1"
+            f"the GPU is not in MIG mode, and on {gpu.architecture or 'this architecture'} switching it needs "
+            "a GPU reset with no process on it, which the agent never does: enable it with "
+            f"nvidia-smi -i {gpu.index} -mig 1 and reset the GPU"
         )
     if full_profile(gpu) is None:
         return "the GPU has no MIG profile that spans it whole"
@@ -202,9 +205,12 @@ def can_partition(gpu: Gpu) -> str:
 
 def _partitioned(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> list[DraDevice]:
     out = []
-    whole = whole_partition(gpu, shape.blocked)
-    profile = full_profile(gpu)
-    if whole is not None and profile is not None:
+    # the whole GPU: out of MIG mode, the GPU itself (its first partition switches MIG mode on,
+    # which Hopper does without a reset); in MIG mode, its full-size instance. Either way it
+    # takes every memory slice.
+    whole = whole_partition(gpu, shape.blocked) if gpu.mig_enabled else None
+    blocked = any(b.overlaps(MigPlacement(0, gpu.mig_memory_slices)) for b in shape.blocked)
+    if (whole is not None or not gpu.mig_enabled) and not blocked:
         out.append(
             DraDevice(
                 name=gpu_device_name(gpu),
@@ -214,7 +220,7 @@ def _partitioned(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> lis
                 attributes={**common, "type": Attribute("string", "gpu"), "uuid": _string(gpu.uuid)},
                 capacity={"memory": binary_quantity(gpu.memory_mib * 1024 * 1024)},
                 partition=whole,
-                consumes=(consumption(gpu, profile, whole.placement),),
+                consumes=(whole_consumption(gpu),),
             )
         )
     for name, profile, partition in partitions(gpu, shape.blocked):

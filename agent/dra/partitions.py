@@ -22,10 +22,18 @@ memory slice never add up to more compute slices than the GPU has (7g uses all 8
 Devices: one per (profile, placement), named ``gpu-<minor>-mig-<profile>-<profile ID>-<start>``
 as NVIDIA's DRA driver names them (``1g.10gb+me`` becomes ``1g10gb-me``), with the parent's
 attributes, ``type: mig`` and ``profile`` (the vocabulary of MIG devices that already exist), and
-capacity ``memory`` and ``multiprocessors``. The whole GPU (``gpu-<minor>``, ``type: gpu``) of a
-GPU in MIG mode is its full-size profile at the placement that covers every memory slice (7g.80gb
-at 0:8 on an H100): a container gets all of the GPU's memory and compute, as one MIG device. It
+capacity ``memory`` and ``multiprocessors``. The whole GPU (``gpu-<minor>``, ``type: gpu``)
 consumes every memory slice, so it excludes every partition and every partition excludes it.
+What a container gets for it depends on the GPU's MIG mode when the claim is prepared: out of
+MIG mode, the GPU itself; in MIG mode, where the GPU cannot run CUDA except in MIG instances,
+its full-size profile at the placement that covers every memory slice (7g.80gb at 0:8 on an
+H100): all of the GPU's memory and compute as one MIG device (a MIG device has no NVLink
+peer-to-peer, which a container that needs it should know).
+
+MIG mode itself changes only with no process on the GPU, and before Hopper only with a reset.
+The backends make the first instance on a Hopper-or-later GPU switch MIG mode on and the last
+one destroyed switch it off again (as NVIDIA's DRA driver does); an Ampere GPU is partitioned
+only when an operator put it in MIG mode.
 """
 
 from __future__ import annotations
@@ -113,6 +121,13 @@ def full_profile(gpu: Gpu) -> MigProfile | None:
     whole = MigPlacement(0, gpu.mig_memory_slices)
     candidates = [p for p in usable_profiles(gpu) if whole in p.placements and not _limited(p)]
     return max(candidates, key=lambda p: (p.compute_slices, p.multiprocessors, -p.profile_id), default=None)
+
+
+def whole_consumption(gpu: Gpu) -> CounterUse:
+    """What the whole GPU takes: every memory slice (so no partition sits next to it)."""
+    return CounterUse(
+        counter_set=counter_set_name(gpu), counters=tuple((slice_counter(i), "1") for i in range(gpu.mig_memory_slices))
+    )
 
 
 def consumption(gpu: Gpu, profile: MigProfile, placement: MigPlacement) -> CounterUse:

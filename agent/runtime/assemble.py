@@ -29,7 +29,7 @@ from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover, Observed
 from agent.core.ownership.handover_events import HandoverEvents
 from agent.core.ownership.publish import PublishState
-from agent.core.partitioning import MigControl, MpsControl, NoMig, NoMps
+from agent.core.partitioning import MpsControl, NoMps
 from agent.dra.mechanism import build_dra
 from agent.dra.modes import ModeGate
 from agent.dra.slices.noapi import NoApiPublisher
@@ -60,7 +60,7 @@ async def build_rest(
     events: EventRecorder | None = None
     publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
-    mig, mps = partitioning_of(core.backend)
+    mig, mps = core.backend.mig, core.backend.mps
     publish = PublishState()
     # each GPU's publish shape: one decision the slices, claim preparation and health all read
     gate = ModeGate(inventory=core.node.inventory, publish=publish, mps_unavailable=mps_reason(mps))
@@ -212,13 +212,6 @@ def build_agent(
         )
     )
     return agent
-
-
-def partitioning_of(backend: Backend) -> tuple[MigControl, MpsControl]:
-    """The backend's MIG and MPS controls (null objects where it has none)."""
-    mig: MigControl = getattr(backend, "mig", None) or NoMig()
-    mps: MpsControl = getattr(backend, "mps", None) or NoMps()
-    return mig, mps
 
 
 def mps_reason(mps: MpsControl) -> str:
