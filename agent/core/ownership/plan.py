@@ -1,7 +1,8 @@
 """``gpu-agent config plan``: what a config would do to one node's GPUs, before it is applied.
 
 Per GPU: the owner it is granted now, the owner the new config wants, the rule that decided,
-and — when the owner would change — the pods or claims the move would wait for. The current
+and — when the owner would change — the pods or claims the move would wait for; for a GPU DRA
+owns, the publish mode (``dra.publish``) it has and would get. The current
 state comes from a running agent's ``/debug/state`` when one answers (its inventory, labels,
 grants and holders); otherwise from the local inventory, with the current grant unknown.
 The live agent logs the same rows before it applies a reload (:func:`plan_rows` is shared).
@@ -15,6 +16,7 @@ from typing import Any
 
 from agent.core.config.schema import Config
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.ownership.publish import PublishTable, compute_publish_modes
 from agent.core.ownership.table import OwnershipTable, compute_ownership
 
 UNKNOWN = "unknown"
@@ -30,6 +32,9 @@ class PlanRow:
     rule: str
     #: holders the move waits for ("ns/name" of pods or claims), when the owner would change
     waits_for: tuple[str, ...] = ()
+    #: DRA publish mode: what the GPU is published as now ("" unknown) and what the config wants
+    publish_now: str = ""
+    publish: str = ""
 
     @property
     def moves(self) -> bool:
@@ -45,6 +50,8 @@ class PlanRow:
             "rule": self.rule,
             "moves": self.moves,
             "waits_for": list(self.waits_for),
+            "publish_now": self.publish_now or None,
+            "publish": self.publish or None,
         }
 
 
@@ -54,14 +61,19 @@ def plan_rows(
     *,
     current: Mapping[str, str],
     holders: Mapping[str, Sequence[str]],
+    publish: PublishTable | None = None,
+    publish_now: Mapping[str, str] | None = None,
 ) -> list[PlanRow]:
-    """Rows for ``desired`` against ``current`` (GPU -> owner state) and ``holders`` (GPU -> users)."""
+    """Rows for ``desired`` against ``current`` (GPU -> owner state) and ``holders`` (GPU -> users);
+    with ``publish``, the DRA publish mode each GPU would get (and has, from ``publish_now``)."""
     rows = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         now = current.get(gpu.uuid, UNKNOWN)
         want = desired.owner_of(gpu.uuid).value
         waits = tuple(holders.get(gpu.uuid, ())) if now != want else ()
-        rows.append(PlanRow(gpu.index, gpu.uuid, now, want, desired.rules.get(gpu.uuid, ""), waits))
+        mode = publish.mode_of(gpu.uuid).value if publish is not None else ""
+        mode_now = (publish_now or {}).get(gpu.uuid, "")
+        rows.append(PlanRow(gpu.index, gpu.uuid, now, want, desired.rules.get(gpu.uuid, ""), waits, mode_now, mode))
     return rows
 
 
@@ -95,6 +107,8 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         if r.waits_for:
             shown = ", ".join(r.waits_for[:5]) + (f" and {len(r.waits_for) - 5} more" if len(r.waits_for) > 5 else "")
             lines.append(f"      waits for {shown}")
+        if r.desired == "dra" and r.publish and (r.publish != "whole" or r.publish_now not in ("", "whole")):
+            lines.append(f"      DRA publishes it {_publish_change(r.publish_now, r.publish)}")
     moving = [r for r in rows if r.moves]
     if any(r.current == UNKNOWN for r in rows):
         lines.append("current owners unknown: start the agent (or pass --debug-addr) to see what would move")
@@ -102,6 +116,14 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         lines.append(f"{len(moving)} of {len(rows)} GPUs would move" + (" (marked *)" if moving else ""))
     lines.extend(f"warning: {w}" for w in warnings)
     return "\n".join(lines)
+
+
+def _publish_change(now: str, want: str) -> str:
+    if now == f"changing->{want}":
+        return f"{want}, after the claims that hold it now"
+    if now and now != want:
+        return f"{now} -> {want}" + (", after the claims that hold it now" if now != "whole" else "")
+    return want
 
 
 def inventory_from_state(state: Mapping[str, Any]) -> Inventory:
@@ -154,6 +176,17 @@ def holders_from_state(state: Mapping[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+def publish_from_state(state: Mapping[str, Any]) -> dict[str, str]:
+    """GPU -> the DRA publish state a running agent shows (``whole``, ``changing->shared``, ...)."""
+    out: dict[str, str] = {}
+    for d in state["devices"]:
+        dra = (d.get("mechanism_details") or {}).get("dra") or {}
+        publish = dra.get("publish") if isinstance(dra, dict) else None
+        if isinstance(publish, dict) and publish.get("state"):
+            out[str(d["uuid"])] = str(publish["state"])
+    return out
+
+
 def plan_against_state(config: Config, state: Mapping[str, Any], *, labels: Mapping[str, str]) -> Plan:
     """The plan for ``config`` on the node a running agent describes."""
     node = state.get("node") or {}
@@ -162,13 +195,22 @@ def plan_against_state(config: Config, state: Mapping[str, Any], *, labels: Mapp
     name = str(node.get("name", ""))
     desired = compute_ownership(inventory, config.ownership, node_name=name, node_labels=merged, version="plan")
     current = {str(d["uuid"]): str(d["owner"]) for d in state["devices"]}
-    rows = plan_rows(inventory, desired, current=current, holders=holders_from_state(state))
+    publish = compute_publish_modes(inventory, config.dra, node_name=name, node_labels=merged, version="plan")
+    rows = plan_rows(
+        inventory,
+        desired,
+        current=current,
+        holders=holders_from_state(state),
+        publish=publish,
+        publish_now=publish_from_state(state),
+    )
     return Plan(name, "current state from the running agent", tuple(rows), desired.inert_overrides)
 
 
 def plan_against_inventory(config: Config, inventory: Inventory, *, node_name: str, labels: Mapping[str, str]) -> Plan:
     """The plan without a running agent: the desired owners only; current grants are unknown."""
     desired = compute_ownership(inventory, config.ownership, node_name=node_name, node_labels=labels, version="plan")
-    rows = plan_rows(inventory, desired, current={}, holders={})
+    publish = compute_publish_modes(inventory, config.dra, node_name=node_name, node_labels=labels, version="plan")
+    rows = plan_rows(inventory, desired, current={}, holders={}, publish=publish)
     source = f"no running agent; local {inventory.backend or 'no'} inventory, current owners unknown"
     return Plan(node_name, source, tuple(rows), desired.inert_overrides)
