@@ -276,3 +276,19 @@ async def test_a_hopper_gpu_out_of_mig_mode_is_partitioned_and_its_whole_gpu_is_
         assert gate.devices_by_name()["gpu-1"].partition is not None  # in MIG mode: the 7g instance
         await h.unprepare(part)
         assert not h.inventory.gpus[1].mig_enabled
+
+
+async def test_instances_someone_else_made_are_offered_as_they_are(h: DraHarness) -> None:
+    assert h.mig is not None
+    foreign = h.mig.add_foreign(h.gpu(0), 9, 4)  # an operator's 3g.40gb at slices 4-7
+    await h.reload()
+    names = {d.name for d in h.m.driver.gate.devices() if d.gpu_uuid == h.gpu(0)}
+    static = f"gpu-0-mig-{foreign.gpu_instance_id}-0"
+    assert static in names  # the existing MIG device, as whole mode offers it
+    assert "gpu-0" not in names and THREE_G.format(4) not in names and ONE_G.format(5) not in names
+    assert {THREE_G.format(0), ONE_G.format(3)} <= names
+    assert "are offered as they are" in h.m.driver.gate.modes()[h.gpu(0)].note
+    ref = h.claims.add("theirs", result(static))
+    assert answer(await h.prepare(ref), ref.uid)[0][3] == (f"{KIND}={ref.uid}-{foreign.uuid}",)
+    await h.unprepare(ref)
+    assert foreign in h.mig.instances_by_gpu[h.gpu(0)]  # never destroyed: not the agent's

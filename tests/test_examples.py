@@ -29,7 +29,7 @@ def _owners(*args: str) -> list[str]:
     assert result.exit_code == 0, result.output
     assert f"{EXAMPLE}: valid" in result.output
     # "  <index>  GPU-<uuid>  <owner>" per GPU of the simulated 8-GPU node
-    return re.findall(r"^\s+\d+\s+GPU-\S+\s+(\S+)$", result.output, re.M)
+    return re.findall(r"^\s+\d+\s+GPU-\S+\s+(\S+)\s+\S+$", result.output, re.M)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,8 @@ Names are DNS labels and stable across restarts and re-reads (allocations name d
   ``gpu-<minor>`` too). A GPU in MIG mode is published as its MIG devices only; a whole GPU and
   its MIG devices are never offered side by side.
 * ``dynamic-mig``: ``gpu-<minor>`` and one device per MIG profile placement, all consuming the
-  GPU's counter set (:mod:`agent.dra.partitions`).
+  GPU's counter set (:mod:`agent.dra.partitions`); MIG devices someone else made are offered as
+  in ``whole`` mode, and the placements they take are not offered.
 * ``shared``: ``gpu-<minor>-shared``, ``type: shared``, with ``allowMultipleAllocations`` and a
   ``memory`` capacity whose request policy rounds each share up to ``dra.sharing.memory_step_mib``
   (KEP-5075, kubernetes/enhancements ``keps/sig-scheduling/5075-dra-consumable-capacity``). Its own
@@ -144,26 +145,7 @@ def dra_devices(inventory: Inventory, shapes: Mapping[str, GpuShape | None] | No
             out.append(_shared(gpu, common, shape.share))
             continue
         if gpu.mig_enabled:
-            for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
-                if mig.uuid in shape.ours:
-                    continue
-                attributes = {
-                    **common,
-                    "type": Attribute("string", "mig"),
-                    "uuid": _string(mig.uuid),
-                    "parentUUID": _string(gpu.uuid),
-                    "profile": _string(mig.profile),
-                }
-                out.append(
-                    DraDevice(
-                        name=mig_device_name(gpu, mig),
-                        uuid=mig.uuid,
-                        gpu_uuid=gpu.uuid,
-                        is_mig=True,
-                        attributes=attributes,
-                        capacity={"memory": binary_quantity(mig.memory_mib * 1024 * 1024)},
-                    )
-                )
+            out.extend(_existing_migs(gpu, common, shape))
             continue
         out.append(
             DraDevice(
@@ -173,6 +155,32 @@ def dra_devices(inventory: Inventory, shapes: Mapping[str, GpuShape | None] | No
                 is_mig=False,
                 attributes={**common, "type": Attribute("string", "gpu"), "uuid": _string(gpu.uuid)},
                 capacity={"memory": binary_quantity(gpu.memory_mib * 1024 * 1024)},
+            )
+        )
+    return out
+
+
+def _existing_migs(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> list[DraDevice]:
+    """The MIG devices that exist on ``gpu`` and that the agent did not make, as they are."""
+    out = []
+    for mig in sorted(gpu.mig_devices, key=lambda m: m.index):
+        if mig.uuid in shape.ours:
+            continue
+        attributes = {
+            **common,
+            "type": Attribute("string", "mig"),
+            "uuid": _string(mig.uuid),
+            "parentUUID": _string(gpu.uuid),
+            "profile": _string(mig.profile),
+        }
+        out.append(
+            DraDevice(
+                name=mig_device_name(gpu, mig),
+                uuid=mig.uuid,
+                gpu_uuid=gpu.uuid,
+                is_mig=True,
+                attributes=attributes,
+                capacity={"memory": binary_quantity(mig.memory_mib * 1024 * 1024)},
             )
         )
     return out
@@ -223,6 +231,9 @@ def _partitioned(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> lis
                 consumes=(whole_consumption(gpu),),
             )
         )
+    # MIG devices someone else made are offered as they are (never made or destroyed by the
+    # agent); the placements they take are not offered as partitions
+    out.extend(_existing_migs(gpu, common, shape))
     for name, profile, partition in partitions(gpu, shape.blocked):
         out.append(
             DraDevice(

@@ -201,7 +201,10 @@ def _shape(
         blocked = tuple(m.placement or full for m in gpu.mig_devices if m.uuid not in mine)
         note = ""
         if blocked:
-            note = f"{len(blocked)} MIG instance(s) the agent did not make: their placements are not offered"
+            note = (
+                f"{len(blocked)} MIG instance(s) the agent did not make are offered as they are; "
+                "the placements they take, and the whole GPU, are not"
+            )
         return GpuShape(PublishMode.DYNAMIC_MIG, blocked=blocked, ours=mine), note
     if want is PublishMode.SHARED:
         why = ""
