@@ -30,12 +30,7 @@ async def _mig_node() -> Node:
     return _node(mig_capable(await _inventory()))
 
 
-# --- pure ----------------------------------------------------------------------------------
-
-
-async def test_counter_sets_come_first_in_slices_of_their_own() -> None:
-    node = await _mig_node()
-    gate = _gate(node, "dynamic-mig")
+def _desired(node: Node, gate: ModeGate) -> tuple[object, ...]:
     desired = desired_slices(
         gate.devices(),
         ownership=node.ownership.current,
@@ -45,6 +40,15 @@ async def test_counter_sets_come_first_in_slices_of_their_own() -> None:
         counter_sets=gate.counter_sets(),
     )
     assert desired is not None
+    return desired
+
+
+# --- pure ----------------------------------------------------------------------------------
+
+
+async def test_counter_sets_come_first_in_slices_of_their_own() -> None:
+    node = await _mig_node()
+    desired = _desired(node, _gate(node, "dynamic-mig"))
     counters = [s for s in desired if isinstance(s, CounterSlice)]
     devices = [s for s in desired if not isinstance(s, CounterSlice)]
     assert desired[: len(counters)] == tuple(counters)  # counters first
@@ -63,16 +67,7 @@ def test_nine_gpus_need_two_counter_slices() -> None:
 async def test_a_counter_set_nothing_consumes_is_not_published() -> None:
     node = await _mig_node()
     node.own(node.ownership.current.owner_of(node.inventory.current.gpus[0].uuid), **{"1": "device-plugin"})  # type: ignore[arg-type]
-    gate = _gate(node, "dynamic-mig")
-    desired = desired_slices(
-        gate.devices(),
-        ownership=node.ownership.current,
-        health=node.health,
-        driver=DRIVER,
-        taints=False,
-        counter_sets=gate.counter_sets(),
-    )
-    assert desired is not None
+    desired = _desired(node, _gate(node, "dynamic-mig"))
     names = {c.name for s in desired if isinstance(s, CounterSlice) for c in s.sets}
     assert "gpu-1-counters" not in names and "gpu-0-counters" in names
 

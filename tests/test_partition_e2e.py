@@ -18,11 +18,8 @@ import pytest
 
 from tests._grpcio import dra_v1_pb2 as dra_pb
 from tests._grpcio import dra_v1_pb2_grpc as dra_grpc
-from tests.agentproc import AgentProcess
-from tests.fake_apiserver import NODE, FakeApiServer, write_kubeconfig
-from tests.fake_podresources import FakePodResources
-from tests.test_dra_e2e import DRIVER, Node, eventually
-from tests.test_plugin_fakes import FakeKubelet, short_tmpdir
+from tests.fake_apiserver import NODE
+from tests.test_dra_e2e import DRIVER, Node, eventually, running_node
 
 pytestmark = pytest.mark.integration
 
@@ -42,24 +39,8 @@ dra:
 
 @pytest.fixture
 async def node() -> AsyncIterator[Node]:
-    api = await FakeApiServer().start()
-    with short_tmpdir() as root:
-        (root / "config.yaml").write_text(CONFIG)
-        kubeconfig = write_kubeconfig(root, api.url, {"token": "t"})
-        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
-        await kubelet.start()
-        pods = FakePodResources(root / "kubelet" / "pod-resources")
-        await pods.start()
-        args = ["--simulated", "--config", str(root / "config.yaml"), "--kubeconfig", str(kubeconfig)]
-        args += ["--node-name", NODE]
-        node = Node(root, args, AgentProcess(root, args), api, kubelet, pods)
-        try:
-            yield node
-        finally:
-            node.agent.kill()
-            await pods.stop()
-            await kubelet.stop()
-            await api.stop()
+    async with running_node(CONFIG) as found:
+        yield found
 
 
 def claim(node: Node, name: str, *results: dict[str, Any]) -> dra_pb.Claim:

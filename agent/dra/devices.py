@@ -147,17 +147,24 @@ def dra_devices(inventory: Inventory, shapes: Mapping[str, GpuShape | None] | No
         if gpu.mig_enabled:
             out.extend(_existing_migs(gpu, common, shape))
             continue
-        out.append(
-            DraDevice(
-                name=gpu_device_name(gpu),
-                uuid=gpu.uuid,
-                gpu_uuid=gpu.uuid,
-                is_mig=False,
-                attributes={**common, "type": Attribute("string", "gpu"), "uuid": _string(gpu.uuid)},
-                capacity={"memory": binary_quantity(gpu.memory_mib * 1024 * 1024)},
-            )
-        )
+        out.append(_whole(gpu, common))
     return out
+
+
+def _whole(
+    gpu: Gpu, common: dict[str, Attribute], partition: Partition | None = None, consumes: tuple[CounterUse, ...] = ()
+) -> DraDevice:
+    """``gpu-<minor>``: the GPU (or, given ``partition``, its full-size MIG instance)."""
+    return DraDevice(
+        name=gpu_device_name(gpu),
+        uuid=gpu.uuid,
+        gpu_uuid=gpu.uuid,
+        is_mig=False,
+        attributes={**common, "type": Attribute("string", "gpu"), "uuid": _string(gpu.uuid)},
+        capacity={"memory": binary_quantity(gpu.memory_mib * 1024 * 1024)},
+        partition=partition,
+        consumes=consumes,
+    )
 
 
 def _existing_migs(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> list[DraDevice]:
@@ -219,18 +226,7 @@ def _partitioned(gpu: Gpu, common: dict[str, Attribute], shape: GpuShape) -> lis
     whole = whole_partition(gpu, shape.blocked) if gpu.mig_enabled else None
     blocked = any(b.overlaps(MigPlacement(0, gpu.mig_memory_slices)) for b in shape.blocked)
     if (whole is not None or not gpu.mig_enabled) and not blocked:
-        out.append(
-            DraDevice(
-                name=gpu_device_name(gpu),
-                uuid=gpu.uuid,
-                gpu_uuid=gpu.uuid,
-                is_mig=False,
-                attributes={**common, "type": Attribute("string", "gpu"), "uuid": _string(gpu.uuid)},
-                capacity={"memory": binary_quantity(gpu.memory_mib * 1024 * 1024)},
-                partition=whole,
-                consumes=(whole_consumption(gpu),),
-            )
-        )
+        out.append(_whole(gpu, common, whole, (whole_consumption(gpu),)))
     # MIG devices someone else made are offered as they are (never made or destroyed by the
     # agent); the placements they take are not offered as partitions
     out.extend(_existing_migs(gpu, common, shape))

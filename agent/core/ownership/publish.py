@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from agent.base.feeds import Broadcast
 from agent.core.config.schema import DraConfig, PublishMode, SharingConfig
 from agent.core.inventory.model import Inventory
-from agent.core.ownership.table import first_match
+from agent.core.ownership.table import first_match, per_gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,17 +61,10 @@ def compute_publish_modes(
         if rule.default is not None:
             default, default_rule = rule.default, f"{rule_label}.default"
         overrides = rule.gpus
-    modes = {gpu.uuid: default for gpu in inventory.gpus}
-    rules = {gpu.uuid: default_rule for gpu in inventory.gpus}
-    inert: list[str] = []
-    for key, mode in overrides.items():
-        gpu = inventory.find(key)
-        where = f"{rule_label}.gpus[{key!r}]"
-        if gpu is None:
-            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
-            continue
-        modes[gpu.uuid], rules[gpu.uuid] = mode, where
-    return PublishTable(version=version, modes=modes, rules=rules, inert=tuple(inert), sharing=dra.sharing)
+    choice = per_gpu(inventory, default, default_rule, rule_label, overrides, node_name=node_name)
+    return PublishTable(
+        version=version, modes=choice.values, rules=choice.rules, inert=choice.inert, sharing=dra.sharing
+    )
 
 
 class PublishState:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from agent.base.feeds import Broadcast
 from agent.core.config.schema import NodeMatch, NodeRule, Owner, OwnershipConfig
@@ -149,21 +149,9 @@ def compute_ownership(
             default, default_rule = rule.default, f"{rule_label}.default"
         overrides = rule.gpus
 
-    owners: dict[str, Owner] = {gpu.uuid: default for gpu in inventory.gpus}
-    rules: dict[str, str] = {gpu.uuid: default_rule for gpu in inventory.gpus}
-    inert: list[str] = []
-    by_index: set[str] = set()
-    for key, owner in overrides.items():
-        gpu = inventory.find(key)
-        where = f"{rule_label}.gpus[{key!r}]"
-        if gpu is None:
-            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
-            continue
-        owners[gpu.uuid] = owner
-        rules[gpu.uuid] = where
-        if key.isdecimal():
-            by_index.add(where)
-
+    choice = per_gpu(inventory, default, default_rule, rule_label, overrides, node_name=node_name)
+    owners: dict[str, Owner] = dict(choice.values)
+    rules = choice.rules
     parents: dict[str, str] = {}
     for gpu in inventory.gpus:
         for mig in gpu.mig_devices:
@@ -175,9 +163,51 @@ def compute_ownership(
         parents=parents,
         node_rule=rule_label,
         rules=rules,
-        index_overrides={where: uuid for uuid, where in rules.items() if where in by_index},
-        inert_overrides=tuple(inert),
+        index_overrides={where: uuid for uuid, where in rules.items() if where in choice.by_index},
+        inert_overrides=choice.inert,
     )
+
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True, slots=True)
+class PerGpu(Generic[V]):
+    """One value per GPU of the node, and the rule that chose each."""
+
+    values: dict[str, V]
+    rules: dict[str, str]
+    #: per-GPU entries naming no GPU of the node, with why they are inert
+    inert: tuple[str, ...]
+    #: the rules of entries given by index (they follow whatever GPU holds the index)
+    by_index: frozenset[str]
+
+
+def per_gpu(
+    inventory: Inventory,
+    default: V,
+    default_rule: str,
+    rule_label: str,
+    entries: Mapping[str, V],
+    *,
+    node_name: str,
+) -> PerGpu[V]:
+    """``default`` for every GPU, then the matched rule's per-GPU ``entries`` by UUID or index; an
+    entry that names no GPU of this node is inert, not an error (ownership and ``dra.publish``)."""
+    values = {gpu.uuid: default for gpu in inventory.gpus}
+    rules = {gpu.uuid: default_rule for gpu in inventory.gpus}
+    inert: list[str] = []
+    by_index: set[str] = set()
+    for key, value in entries.items():
+        gpu = inventory.find(key)
+        where = f"{rule_label}.gpus[{key!r}]"
+        if gpu is None:
+            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
+            continue
+        values[gpu.uuid], rules[gpu.uuid] = value, where
+        if key.isdecimal():
+            by_index.add(where)
+    return PerGpu(values, rules, tuple(inert), frozenset(by_index))
 
 
 class OwnershipState:

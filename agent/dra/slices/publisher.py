@@ -378,18 +378,8 @@ class KubeSlicePublisher:
                 policies=(("memory", RequestPolicy("1Gi", "1Gi", "1Gi")),),
             ),
         )
-        body = slice_body(
-            version,
-            node=self.node_name,
-            node_uid=node_uid,
-            driver=self.driver_name,
-            generation=max(self._generation, 1),
-            count=1,
-            devices=probe,
-            generate_name=generate_name(self.node_name, self.driver_name),
-        )
         try:
-            answer = await self._client.create(self._api.path(version, RESOURCE), body, {"dryRun": "All"})
+            answer = await self._dry_run(version, node_uid, probe)
         except KubeError as exc:
             if exc.status not in (400, 422):
                 raise
@@ -534,11 +524,16 @@ class KubeSlicePublisher:
 
     async def _probe_taints(self, version: str, node_uid: str) -> None:
         """Ask with a dry-run create whether the server keeps a device's taint."""
-        probe = next(
-            (d for d in dra_devices(self._inventory.current) if unhealthy_cause(self._health, d.uuid) is not None), None
-        )
+        probe = next((d for d in self.gate.devices() if unhealthy_cause(self._health, d.uuid) is not None), None)
         assert probe is not None
         device = SliceDevice.of(probe, (Taint(taint_key(self.driver_name), "probe"),))
+        answer = await self._dry_run(version, node_uid, (device,))
+        kept = any(d.taints for d in self._parse(answer, version).devices)
+        self._taints[version] = kept
+        log.info("device taint support detected", version=version, supported=kept)
+
+    async def _dry_run(self, version: str, node_uid: str, devices: tuple[SliceDevice, ...]) -> Any:
+        """A slice of ``devices`` created with ``dryRun: All``: the server's answer, nothing stored."""
         body = slice_body(
             version,
             node=self.node_name,
@@ -546,13 +541,10 @@ class KubeSlicePublisher:
             driver=self.driver_name,
             generation=max(self._generation, 1),
             count=1,
-            devices=(device,),
+            devices=devices,
             generate_name=generate_name(self.node_name, self.driver_name),
         )
-        answer = await self._client.create(self._api.path(version, RESOURCE), body, {"dryRun": "All"})
-        kept = any(d.taints for d in self._parse(answer, version).devices)
-        self._taints[version] = kept
-        log.info("device taint support detected", version=version, supported=kept)
+        return await self._client.create(self._api.path(version, RESOURCE), body, {"dryRun": "All"})
 
     # --- reading -------------------------------------------------------------------------
 
