@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from agent.base.feeds import Broadcast
 from agent.core.config.schema import DraConfig, PublishMode, SharingConfig
 from agent.core.inventory.model import Inventory
-from agent.core.ownership.table import first_match, per_gpu
+from agent.core.ownership.table import per_gpu
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +50,15 @@ def compute_publish_modes(
     version: str = "",
 ) -> PublishTable:
     """The desired mode per GPU: ``dra.publish`` default, then the node rule, then its per-GPU entries."""
-    config = dra.publish
-    default, default_rule = config.default, "dra.publish.default"
-    overrides: Mapping[str, PublishMode] = {}
-    rule_label = "dra.publish"
-    matched = first_match(config.nodes, node_name, node_labels)
-    if matched is not None:
-        index, rule = matched
-        rule_label = f"dra.publish.nodes[{index}]"
-        if rule.default is not None:
-            default, default_rule = rule.default, f"{rule_label}.default"
-        overrides = rule.gpus
-    choice = per_gpu(inventory, default, default_rule, rule_label, overrides, node_name=node_name)
+    choice = per_gpu(
+        inventory,
+        dra.publish.nodes,
+        dra.publish.default,
+        section="dra.publish",
+        default_label="dra.publish.default",
+        node_name=node_name,
+        node_labels=node_labels,
+    )
     return PublishTable(
         version=version, modes=choice.values, rules=choice.rules, inert=choice.inert, sharing=dra.sharing
     )

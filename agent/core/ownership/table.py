@@ -102,6 +102,21 @@ class _Matched(Protocol):
 
 
 R = TypeVar("R", bound=_Matched)
+V = TypeVar("V")
+V_co = TypeVar("V_co", covariant=True)
+
+
+class _Rule(Protocol[V_co]):
+    """A node rule: ``ownership.nodes[i]`` or ``dra.publish.nodes[i]``."""
+
+    @property
+    def match(self) -> NodeMatch: ...
+
+    @property
+    def default(self) -> V_co | None: ...
+
+    @property
+    def gpus(self) -> Mapping[str, V_co]: ...
 
 
 def first_match(rules: Sequence[R], node_name: str, node_labels: Mapping[str, str]) -> tuple[int, R] | None:
@@ -137,19 +152,16 @@ def compute_ownership(
     and listed in ``inert_overrides``, and the rest of the config applies. Overrides by index
     follow whatever GPU holds that index now; :mod:`agent.core.ownership.handover` notices when that changes.
     """
-    default = config.default
-    default_rule = "cluster default"
-    overrides: Mapping[str, Owner] = {}
-    rule_label = "cluster default"
-    matched = node_rule_for(config, node_name, node_labels)
-    if matched is not None:
-        index, rule = matched
-        rule_label = f"ownership.nodes[{index}]"
-        if rule.default is not None:
-            default, default_rule = rule.default, f"{rule_label}.default"
-        overrides = rule.gpus
-
-    choice = per_gpu(inventory, default, default_rule, rule_label, overrides, node_name=node_name)
+    choice = per_gpu(
+        inventory,
+        config.nodes,
+        config.default,
+        section="ownership",
+        default_label="cluster default",
+        node_name=node_name,
+        node_labels=node_labels,
+    )
+    rule_label = choice.node_rule
     owners: dict[str, Owner] = dict(choice.values)
     rules = choice.rules
     parents: dict[str, str] = {}
@@ -168,15 +180,14 @@ def compute_ownership(
     )
 
 
-V = TypeVar("V")
-
-
 @dataclass(frozen=True, slots=True)
 class PerGpu(Generic[V]):
     """One value per GPU of the node, and the rule that chose each."""
 
     values: dict[str, V]
     rules: dict[str, str]
+    #: the node rule that matched ("ownership.nodes[2]"), or the section's default label
+    node_rule: str
     #: per-GPU entries naming no GPU of the node, with why they are inert
     inert: tuple[str, ...]
     #: the rules of entries given by index (they follow whatever GPU holds the index)
@@ -185,15 +196,26 @@ class PerGpu(Generic[V]):
 
 def per_gpu(
     inventory: Inventory,
+    rules_: Sequence[_Rule[V]],
     default: V,
-    default_rule: str,
-    rule_label: str,
-    entries: Mapping[str, V],
     *,
+    section: str,
+    default_label: str,
     node_name: str,
+    node_labels: Mapping[str, str],
 ) -> PerGpu[V]:
-    """``default`` for every GPU, then the matched rule's per-GPU ``entries`` by UUID or index; an
-    entry that names no GPU of this node is inert, not an error (ownership and ``dra.publish``)."""
+    """The value of each GPU: ``default`` (the section's), then the first rule matching the node
+    (its default), then that rule's per-GPU entries by UUID or index. An entry that names no GPU of
+    this node is inert, not an error. Ownership and ``dra.publish`` both choose this way."""
+    default_rule = rule_label = default_label
+    entries: Mapping[str, V] = {}
+    matched = first_match(rules_, node_name, node_labels)
+    if matched is not None:
+        index, rule = matched
+        rule_label = f"{section}.nodes[{index}]"
+        if rule.default is not None:
+            default, default_rule = rule.default, f"{rule_label}.default"
+        entries = rule.gpus
     values = {gpu.uuid: default for gpu in inventory.gpus}
     rules = {gpu.uuid: default_rule for gpu in inventory.gpus}
     inert: list[str] = []
@@ -207,7 +229,7 @@ def per_gpu(
         values[gpu.uuid], rules[gpu.uuid] = value, where
         if key.isdecimal():
             by_index.add(where)
-    return PerGpu(values, rules, tuple(inert), frozenset(by_index))
+    return PerGpu(values, rules, rule_label, tuple(inert), frozenset(by_index))
 
 
 class OwnershipState:
