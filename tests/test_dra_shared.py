@@ -172,3 +172,10 @@ async def test_turning_mps_on_waits_for_the_time_sliced_shares() -> None:
         assert h.m.driver.gate.modes()[h.gpu(1)].effective is not None
         await h.unprepare(ref)
         assert h.m.driver.gate.devices()[0].attributes["sharing"].value == "mps"
+
+
+async def test_mps_shares_of_two_gpus_in_one_claim_are_refused(mps: DraHarness) -> None:
+    ref = mps.claims.add("two", share("a", "8Gi"), share("b", "8Gi", device="gpu-1-shared", request="b"))  # type: ignore[arg-type]
+    error = (await mps.prepare(ref)).claims[ref.uid].error
+    assert "MPS shares of 2 GPUs" in error
+    assert mps.mps is not None and not mps.mps.running  # nothing started for it... or released again

@@ -16,7 +16,8 @@ Both limits are client settings (NVIDIA's MPS documentation, "Environment Variab
 server enforces them, but a process that rewrites its own environment before CUDA starts can
 raise them up to the daemon's defaults, which stay at the whole GPU so that shares of different
 sizes can share one daemon. They keep honest workloads apart; they are no wall against a hostile
-one. A daemon is released when the last share of its GPU is unprepared.
+one. A daemon is released when the last share of its GPU is unprepared. A process talks to one
+daemon (``CUDA_MPS_PIPE_DIRECTORY``), so a claim with MPS shares of two GPUs is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import structlog
 from agent.core.partitioning import MpsControl, MpsDaemon, PartitionError
 from agent.dra.claims.errors import ClaimError, Reason
 from agent.dra.claims.pending import PendingClaim, ShareSetup
+from agent.dra.claims.plan import PlannedDevice
 
 log = structlog.get_logger("agent.dra")
 
@@ -62,21 +64,29 @@ class MpsShares:
 
     async def setup(self, pending: list[PendingClaim]) -> tuple[list[PendingClaim], dict[str, ClaimError]]:
         """The batch's claims with their MPS shares set up; claims whose GPU's daemon failed."""
+        failed: dict[str, ClaimError] = {}
+        for claim in pending:
+            spanned = {p.device.gpu_uuid for p in claim.planned if _mps(p)}
+            if len(spanned) > 1:
+                # CUDA_MPS_PIPE_DIRECTORY names one daemon: a process reaches the MPS of one GPU only
+                failed[claim.ref.uid] = ClaimError(
+                    Reason.MPS_ERROR,
+                    f"the claim has MPS shares of {len(spanned)} GPUs; a container reaches one GPU's MPS daemon "
+                    "(CUDA_MPS_PIPE_DIRECTORY names one): ask for shares of one GPU per claim",
+                    recoverable=False,
+                )
+        pending = [c for c in pending if c.ref.uid not in failed]
         gpus = {
-            p.device.gpu_uuid: p.device.share.memory
-            for claim in pending
-            for p in claim.planned
-            if p.share_memory is not None and p.device.share is not None and p.device.share.mps
+            p.device.gpu_uuid: p.device.share.memory for c in pending for p in c.planned if p.device.share and _mps(p)
         }
         if not gpus:
-            return pending, {}
+            return pending, failed
         daemons = dict(zip(gpus, await asyncio.gather(*(self._ensure(g, m) for g, m in gpus.items())), strict=True))
         out: list[PendingClaim] = []
-        failed: dict[str, ClaimError] = {}
         for claim in pending:
             shares: dict[int, ShareSetup] = {}
             for i, p in enumerate(claim.planned):
-                if p.share_memory is None or p.device.share is None or not p.device.share.mps:
+                if not _mps(p) or p.share_memory is None or p.device.share is None:
                     continue
                 daemon = daemons[p.device.gpu_uuid]
                 if isinstance(daemon, ClaimError):
@@ -133,3 +143,8 @@ class MpsShares:
             "last_error": self.last_error or None,
             "control": self._mps.status(),
         }
+
+
+def _mps(planned: PlannedDevice) -> bool:
+    """A share that runs under MPS."""
+    return planned.share_memory is not None and planned.device.share is not None and planned.device.share.mps
