@@ -292,3 +292,11 @@ async def test_instances_someone_else_made_are_offered_as_they_are(h: DraHarness
     assert answer(await h.prepare(ref), ref.uid)[0][3] == (f"{KIND}={ref.uid}-{foreign.uuid}",)
     await h.unprepare(ref)
     assert foreign in h.mig.instances_by_gpu[h.gpu(0)]  # never destroyed: not the agent's
+
+
+async def test_readiness_says_why_a_gpu_is_not_published_as_wished() -> None:
+    async with dra_harness(mig=True, mig_enabled=False, mig_architecture="ampere", publish="dynamic-mig") as h:
+        await h.kubelet().register()
+        ready = h.m.readiness()
+        assert ready.ok and "dra.publish: a GPU is whole where dynamic-mig is wished" in ready.detail
+        assert "(and 7 more GPUs)" in ready.detail and "not in MIG mode" in ready.detail

@@ -160,7 +160,22 @@ class DraMechanism:
         if not published.ok:
             return Readiness(False, f"ResourceSlices: {published.detail}")
         notes = [n for n in (own.detail, published.detail and f"ResourceSlices: {published.detail}") if n]
+        notes += self._publish_notes()
         return Readiness(True, "; ".join(notes))
+
+    def _publish_notes(self) -> list[str]:
+        """GPUs DRA owns that are not published as ``dra.publish`` wishes, and why (ready all the same)."""
+        granted = self._ownership.current
+        modes = {
+            gpu: mode
+            for gpu, mode in self.driver.gate.modes().items()
+            if granted.granted_to(gpu, Owner.DRA) and (mode.note or mode.effective is not mode.desired)
+        }
+        if not modes:
+            return []
+        first = next(iter(modes.values()))
+        more = f" (and {len(modes) - 1} more GPUs)" if len(modes) > 1 else ""
+        return [f"dra.publish: a GPU is {first.label} where {first.desired.value} is wished: {first.note}{more}"]
 
     async def _restore(self) -> None:
         try:
