@@ -75,6 +75,7 @@ class FakeMig:
         self.fail_create: list[PartitionErrorKind] = []
         self.fail_destroy: list[PartitionErrorKind] = []
         self._ids = itertools.count(1)
+        self._serials = itertools.count(1)  # UUIDs are never reused, GPU instance IDs are
         #: GPUs a create switched into MIG mode (the last destroy switches them back)
         self.switched: set[str] = set()
 
@@ -114,7 +115,7 @@ class FakeMig:
             raise PartitionError("NVML_ERROR_INSUFFICIENT_RESOURCES", kind=PartitionErrorKind.INSUFFICIENT_RESOURCES)
         gi = next(self._ids)
         device = MigDevice(
-            uuid=f"MIG-{gpu.index}-{gi:04d}-{profile_id}",
+            uuid=f"MIG-{gpu.index}-{gi:04d}-{profile_id}-{next(self._serials)}",
             parent_uuid=gpu_uuid,
             index=len(existing),
             gpu_instance_id=gi,

@@ -300,3 +300,22 @@ async def test_readiness_says_why_a_gpu_is_not_published_as_wished() -> None:
         ready = h.m.readiness()
         assert ready.ok and "dra.publish: a GPU is whole where dynamic-mig is wished" in ready.detail
         assert "(and 7 more GPUs)" in ready.detail and "not in MIG mode" in ready.detail
+
+
+async def test_a_recorded_instance_someone_destroyed_is_forgotten_not_destroyed_again(h: DraHarness) -> None:
+    """Its IDs may name someone else's instance by now: the clean-up checks the UUID first."""
+    assert h.mig is not None
+    ref = h.claims.add("a", result(ONE_G.format(0)))
+    await h.prepare(ref)
+    await h.stop()
+    (ours,) = h.mig.instances_by_gpu[h.gpu(0)]
+    h.mig.instances_by_gpu[h.gpu(0)].clear()  # destroyed behind the agent's back...
+    h.mig._ids = iter([ours.gpu_instance_id])  # type: ignore[assignment]
+    theirs = h.mig.add_foreign(h.gpu(0), 19, 3)  # ...and its GPU instance ID given to another
+    store = CheckpointStore(h.config.state_dir)
+    loaded = store.load()
+    store.write([], boot_id=h.boot_id, instances=loaded.instances)  # the claim went while the agent was down
+    await h.reload()
+    await h.restart()
+    assert h.mig.instances_by_gpu[h.gpu(0)] == [theirs]
+    assert instances(h) == []

@@ -227,6 +227,7 @@ class InstanceMaker:
         if not unneeded:
             return 0
         log.info("dra.mig_collect", claims=len(unneeded))
+        await self._forget_vanished([r for r in self._prepared.instances if r.claim_uid in unneeded])
         errors = await self.destroy(unneeded, quiet=False)
         left = [e for e in errors.values() if e]
         self.last_error = left[0] if left else ""
@@ -235,6 +236,21 @@ class InstanceMaker:
         except CheckpointError as exc:
             log.error("dra.mig_collect_not_written", error=str(exc))
         return len(left)
+
+    async def _forget_vanished(self, records: list[CreatedInstance]) -> None:
+        """Drop the records of completed instances that no longer exist (someone destroyed them):
+        their IDs may name another's instance by now, which must never be destroyed."""
+        for gpu in sorted({r.gpu_uuid for r in records if r.created}):
+            try:
+                async with asyncio.timeout(self._timeout):
+                    there = {d.uuid for d in await self._mig.instances(gpu)}
+            except (PartitionError, TimeoutError) as exc:
+                log.warning("dra.mig_list_failed", gpu=gpu, error=str(exc))
+                continue
+            for record in records:
+                if record.gpu_uuid == gpu and record.created and record.uuid not in there:
+                    log.info("dra.mig_vanished", uuid=record.uuid, gpu=gpu, claim_uid=record.claim_uid)
+                    self._prepared.drop_instance(record)
 
     async def _run_per_gpu(self, items: list[_T], call: Callable[[_T], Awaitable[_R]]) -> list[_R]:
         """``call`` for each item, one GPU's items in order, GPUs in parallel; results in item order."""
