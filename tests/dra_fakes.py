@@ -59,7 +59,7 @@ from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
 NODE = "node-a"
 DRIVER = "gpu-node-agent.nvidia.com"
 BOOT = "boot-1"
-FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
+FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0, held_s=0.05), backoff=FAST_BACKOFF)
 HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
 
 

@@ -3,6 +3,8 @@ prepared and unprepared alone, MPS limits per share, and every malformed allocat
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 
@@ -10,8 +12,10 @@ import pytest
 
 from agent.cdi import spec as cdi_spec
 from agent.core.partitioning import PartitionErrorKind
+from agent.dra.claims.driver import PrepareTimeouts
 from agent.dra.claims.shares import share_env
-from tests.dra_fakes import DraHarness, answer, dra_harness, gpu_config, opaque, result
+from tests.dra_fakes import FAST, DraHarness, answer, dra_harness, gpu_config, opaque, result
+from tests.test_plugin_fakes import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -179,3 +183,22 @@ async def test_mps_shares_of_two_gpus_in_one_claim_are_refused(mps: DraHarness) 
     error = (await mps.prepare(ref)).claims[ref.uid].error
     assert "MPS shares of 2 GPUs" in error
     assert mps.mps is not None and not mps.mps.running  # nothing started for it... or released again
+
+
+async def test_a_share_waits_briefly_for_the_memory_an_unprepare_is_about_to_free() -> None:
+    """The scheduler gives the memory to the next claim as soon as the old pod is deleted, before
+    the kubelet unprepares the old claim: the prepare waits for it instead of failing into the
+    kubelet's minute of back-off."""
+    tuning = dataclasses.replace(FAST, timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0, held_s=5.0))
+    async with dra_harness(publish="shared", tuning=tuning) as h:
+        await h.kubelet().register()
+        old = h.claims.add("old", share("a", "40Gi"))  # type: ignore[arg-type]
+        other = h.claims.add("other", share("b", "38Gi"))  # type: ignore[arg-type]
+        await h.prepare(old, other)
+        new = h.claims.add("new", share("c", "38Gi"))  # type: ignore[arg-type]
+        waiting = asyncio.ensure_future(h.prepare(new))
+        await wait_for(lambda: new in h.claims.calls, what="the new claim read (then refused, then waiting)")
+        await asyncio.sleep(0)
+        assert not waiting.done()  # held: waiting for the memory, not failed
+        assert (await h.unprepare(old)).claims[old.uid].error == ""
+        assert answer(await waiting, new.uid)

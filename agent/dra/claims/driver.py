@@ -77,7 +77,7 @@ from agent.dra.claims.locks import ClaimLocks
 from agent.dra.claims.pending import PendingClaim
 from agent.dra.claims.plan import PlannedDevice, plan_claim
 from agent.dra.claims.prepared import PreparedClaims
-from agent.dra.claims.reservations import Reservations
+from agent.dra.claims.reservations import InUse, Reservations
 from agent.dra.claims.shares import MpsShares
 from agent.dra.claims.specwriter import ClaimSpecWriter
 from agent.dra.devices import DraDevice
@@ -103,6 +103,11 @@ class PrepareTimeouts:
     api_s: float = 10.0
     #: waiting for other calls that work on the same claims (the lock phase of a call)
     lock_s: float = 15.0
+    #: waiting for a device another claim still holds to be let go: the scheduler gives a device
+    #: to the next claim as soon as the old pod is deleted, before the kubelet has unprepared the
+    #: old claim (measured: the same second); refused at once, the kubelet retries only after
+    #: about a minute of back-off
+    held_s: float = 10.0
 
 
 DEFAULT_PREPARE_TIMEOUTS = PrepareTimeouts()
@@ -400,9 +405,31 @@ class DraDriver:
             health=self._health,
             why_missing=self._why_missing,
         )
-        self._reservations.reserve(ref, planned)
+        await self._reserve(ref, planned)
         allocated_at = claim.allocation_timestamp if claim is not None else None
         return PendingClaim(ref=ref, planned=planned, existing=existing, allocated_at=allocated_at)
+
+    async def _reserve(self, ref: ClaimRef, planned: list[PlannedDevice]) -> None:
+        """Reserve the claim's devices, waiting up to ``held_s`` for others to let go of them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeouts.held_s
+        while True:
+            freed = self._reservations.freed  # taken before trying: a release in between wakes us
+            try:
+                self._reservations.reserve(ref, planned)
+                return
+            except InUse as exc:
+                # only what prepared claims hold can come free while we wait; a claim of this
+                # very call (or another in flight) keeps its reservation until the call is done
+                if not exc.prepared or loop.time() >= deadline:
+                    raise
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await freed.wait()
+                except TimeoutError:
+                    raise ClaimError(
+                        Reason.IN_USE, f"{exc} (still after {self._timeouts.held_s:g}s)", recoverable=True
+                    ) from exc
 
     async def _write_specs(self, pending: list[PendingClaim]) -> dict[str, _Outcome]:
         """Write the CDI specs of the batch's new claims and record the ones that got theirs."""
@@ -518,6 +545,8 @@ class DraDriver:
                     self._metrics.unprepares.labels(result="unprepared").inc(len(removed))
             await self.shares.release_unused(self._mps_gpus().__contains__)
             self.gate.refresh()
+            if removed or with_instances:
+                self._reservations.let_go()
         now = time.perf_counter()
         for _ in refs:  # every claim of a call is answered when the call is
             self._metrics.claim_seconds.labels(operation="unprepare").observe(now - started)

@@ -15,6 +15,7 @@ capacity; a share and anything but another share never sit on one GPU.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,15 @@ from agent.dra.claims.checkpoint import CreatedInstance, PreparedClaim, Prepared
 from agent.dra.claims.errors import ClaimError, Reason
 from agent.dra.claims.plan import PlannedDevice
 from agent.kube.claims.model import ClaimRef
+
+
+class InUse(ClaimError):
+    """A device is held by another claim; ``prepared``: only by prepared claims (or instances still
+    being destroyed), which an unprepare may let go of soon, not by claims in the same call."""
+
+    def __init__(self, message: str, *, prepared: bool) -> None:
+        super().__init__(Reason.IN_USE, message)
+        self.prepared = prepared
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,9 @@ class Reservations:
         self._reserved: dict[str, tuple[ClaimRef, list[PlannedDevice]]] = {}
         #: moves with every reservation and release (the mode gate's "did anything change?")
         self.version = 0
+        #: set (and replaced) whenever held devices may have been let go: a release here, or an
+        #: unprepare (:meth:`let_go`); a claim waiting for a device waits on it
+        self.freed = asyncio.Event()
 
     def __len__(self) -> int:
         return len(self._reserved)
@@ -118,10 +131,10 @@ class Reservations:
             hold = _Hold.of(p)
             for uid, other in held.get(hold.gpu, ()):
                 if hold.conflicts(other):
-                    raise ClaimError(
-                        Reason.IN_USE,
+                    raise InUse(
                         f"device {p.device.name} is already {self._holder(uid)} "
                         f"({'GPU ' + other.gpu if other.uuid != hold.uuid else other.uuid})",
+                        prepared=uid not in self._reserved,
                     )
             if hold.kind == "partition" and any(m.kind == "partition" and hold.conflicts(m) for m in mine):
                 # one claim may name a device twice (one CDI device), never two overlapping instances
@@ -131,24 +144,31 @@ class Reservations:
         self._reserved[ref.uid] = (ref, planned)
         self.version += 1
 
-    @staticmethod
-    def _check_memory(mine: list[_Hold], held: dict[str, list[tuple[str, _Hold]]]) -> None:
+    def _check_memory(self, mine: list[_Hold], held: dict[str, list[tuple[str, _Hold]]]) -> None:
         """The shares on a GPU never add up to more memory than it has."""
         for gpu in {h.gpu for h in mine if h.kind == "share" and not h.admin}:
             capacity = min(h.capacity for h in mine if h.gpu == gpu and h.capacity is not None)
             asked = sum(h.memory for h in mine if h.gpu == gpu and h.kind == "share" and not h.admin)
-            taken = sum(h.memory for _, h in held.get(gpu, ()) if h.kind == "share" and not h.admin)
+            shares = [(uid, h.memory) for uid, h in held.get(gpu, ()) if h.kind == "share" and not h.admin]
+            taken = sum(memory for _, memory in shares)
             if taken + asked > capacity:
-                raise ClaimError(
-                    Reason.IN_USE,
+                prepared = sum(memory for uid, memory in shares if uid not in self._reserved)
+                raise InUse(
                     f"GPU {gpu}: shares of {taken} bytes are prepared already; "
                     f"{asked} more exceed its {capacity} bytes",
+                    prepared=prepared + asked > capacity,
                 )
 
     def release(self, uid: str) -> None:
         """Drop the claim's reservation (it is prepared now, or failed); idempotent."""
         if self._reserved.pop(uid, None) is not None:
             self.version += 1
+            self.let_go()
+
+    def let_go(self) -> None:
+        """Devices may be free now: wake the claims waiting for one."""
+        self.freed.set()
+        self.freed = asyncio.Event()
 
     def _holder(self, uid: str) -> str:
         claim = self._prepared.get(uid)
