@@ -319,3 +319,17 @@ async def test_a_recorded_instance_someone_destroyed_is_forgotten_not_destroyed_
     await h.restart()
     assert h.mig.instances_by_gpu[h.gpu(0)] == [theirs]
     assert instances(h) == []
+
+
+async def test_an_instance_gone_behind_the_agents_back_does_not_stop_the_cdi_reconciler(h: DraHarness) -> None:
+    """Seen on the real peers: the simulated node loses its instances with the agent's process.
+    The claim spec that named it goes; CDI stays ready; the unprepare still succeeds."""
+    assert h.mig is not None and h.cdi is not None
+    ref = h.claims.add("a", result(ONE_G.format(0)))
+    await h.prepare(ref)
+    h.mig.instances_by_gpu[h.gpu(0)].clear()
+    await h.reload()
+    report = await h.cdi.reconcile_once()
+    assert report.errors == () and h.cdi.last_pass_ok()[0]
+    assert ref.uid not in h.claim_specs()
+    assert (await h.unprepare(ref)).claims[ref.uid].error == ""
