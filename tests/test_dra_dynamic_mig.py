@@ -4,6 +4,8 @@ change that waits for them."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,7 +16,9 @@ from agent.core.config.schema import PublishMode
 from agent.core.inventory.model import MigPlacement
 from agent.core.partitioning import PartitionErrorKind
 from agent.dra.claims.checkpoint import CheckpointStore, CreatedInstance
-from tests.dra_fakes import DraHarness, answer, dra_harness, result
+from agent.dra.claims.driver import PrepareTimeouts
+from tests.dra_fakes import FAST, DraHarness, answer, dra_harness, result
+from tests.test_plugin_fakes import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -333,3 +337,23 @@ async def test_an_instance_gone_behind_the_agents_back_does_not_stop_the_cdi_rec
     assert report.errors == () and h.cdi.last_pass_ok()[0]
     assert ref.uid not in h.claim_specs()
     assert (await h.unprepare(ref)).claims[ref.uid].error == ""
+
+
+async def test_a_whole_gpu_claim_waits_for_the_partitions_and_gets_the_gpu_itself() -> None:
+    """As on the real peers: the whole GPU is allocated the moment the partitions' pod is deleted.
+    The prepare waits for their unprepare, and is planned again: the last instance gone, the GPU is
+    out of MIG mode, and the claim gets the GPU itself, not a 7g instance."""
+    tuning = dataclasses.replace(FAST, timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0, held_s=5.0))
+    async with dra_harness(mig=True, mig_enabled=False, publish="dynamic-mig", tuning=tuning) as h:
+        await h.kubelet().register()
+        parts = h.claims.add("parts", *(result(ONE_G.format(i), request=f"r{i}") for i in range(7)))
+        answer(await h.prepare(parts), parts.uid)
+        assert h.inventory.gpus[0].mig_enabled
+        whole = h.claims.add("whole", result("gpu-0"))
+        waiting = asyncio.ensure_future(h.prepare(whole))
+        await wait_for(lambda: whole in h.claims.calls, what="the whole-GPU claim read")
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await h.unprepare(parts)
+        (device,) = answer(await waiting, whole.uid)
+        assert device[3] == (f"{KIND}={whole.uid}-{h.gpu(0)}",) and not h.inventory.gpus[0].mig_enabled

@@ -395,29 +395,35 @@ class DraDriver:
         if existing is None and len(self.prepared) + len(self._reservations) >= MAX_PREPARED:
             raise ClaimError(Reason.BAD_REQUEST, f"{MAX_PREPARED} claims are prepared on this node already")
         claim = await self._read_claim(ref)
-        planned = plan_claim(
-            ref,
-            claim,
-            driver=self.driver_name,
-            pool=self.pool,
-            devices=self.gate.devices_by_name(),
-            ownership=self._ownership.current,
-            health=self._health,
-            why_missing=self._why_missing,
-        )
-        await self._reserve(ref, planned)
+
+        def plan() -> list[PlannedDevice]:
+            return plan_claim(
+                ref,
+                claim,
+                driver=self.driver_name,
+                pool=self.pool,
+                devices=self.gate.devices_by_name(),
+                ownership=self._ownership.current,
+                health=self._health,
+                why_missing=self._why_missing,
+            )
+
+        planned = await self._reserve(ref, plan)
         allocated_at = claim.allocation_timestamp if claim is not None else None
         return PendingClaim(ref=ref, planned=planned, existing=existing, allocated_at=allocated_at)
 
-    async def _reserve(self, ref: ClaimRef, planned: list[PlannedDevice]) -> None:
-        """Reserve the claim's devices, waiting up to ``held_s`` for others to let go of them."""
+    async def _reserve(self, ref: ClaimRef, plan: Callable[[], list[PlannedDevice]]) -> list[PlannedDevice]:
+        """Plan the claim and reserve its devices, waiting up to ``held_s`` for others to let go of
+        them; planned again after a wait (the GPU's shape may have changed: its last MIG instance
+        gone, MIG mode off, the whole GPU is the GPU again)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeouts.held_s
         while True:
             freed = self._reservations.freed  # taken before trying: a release in between wakes us
+            planned = plan()
             try:
                 self._reservations.reserve(ref, planned)
-                return
+                return planned
             except InUse as exc:
                 # only what prepared claims hold can come free while we wait; a claim of this
                 # very call (or another in flight) keeps its reservation until the call is done
