@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What the agent sees on a machine with a real NVIDIA GPU, captured in one short run (about a
-# minute; up to three when it makes MIG instances and an MPS daemon).
+# minute; up to four when it makes MIG instances, an MPS daemon and a DRA share under it).
 #
 #   scripts/device-check.sh --prepare [--with-python]   # here, with network or a pip cache:
 #                                                       # build .device-check/ to carry along
@@ -358,6 +358,76 @@ async def main() -> None:
         await supervisor.close()
         for log in sorted(base.glob("*/log/*")):
             print(f"== {log}\n{log.read_text(errors='replace')[-4000:]}")
+        shutil.rmtree(base, ignore_errors=True)
+
+asyncio.run(main())
+EOF
+
+# a share of a shared GPU prepared as DRA prepares it under MPS (dra.sharing.mps): the daemon,
+# the share's CDI edits (limits, the daemon's directories), and a CUDA client run with those
+# limits: 1 GiB fits in the share's 4 GiB, 6 GiB more must not
+step dra-share 60 "$py" - <<'EOF'
+import asyncio, os, shutil, subprocess, sys, tempfile
+from pathlib import Path
+from agent.backends.mps import MpsSupervisor
+from agent.backends.nvml.backend import NvmlBackend
+from agent.core.config.schema import HealthConfig, PublishMode
+from agent.dra.claims.pending import PendingClaim
+from agent.dra.claims.plan import PlannedDevice
+from agent.dra.claims.shares import MpsShares
+from agent.dra.devices import GpuShape, dra_devices, share_policy
+from agent.kube.claims.model import ClaimRef, DeviceResult
+
+CLIENT = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, ctx, a, b = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64(), ctypes.c_uint64()
+print("cuInit", cuda.cuInit(0), "cuDeviceGet", cuda.cuDeviceGet(ctypes.byref(dev), 0))
+print("cuCtxCreate", cuda.cuCtxCreate_v2(ctypes.byref(ctx), 0, dev))
+small = cuda.cuMemAlloc_v2(ctypes.byref(a), ctypes.c_size_t(1 << 30))
+big = cuda.cuMemAlloc_v2(ctypes.byref(b), ctypes.c_size_t(6 << 30))
+print("alloc 1 GiB:", small, "(0 = fits)", "then 6 GiB more:", big, "(2 = out of memory: the share's limit holds)")
+"""
+
+async def main() -> None:
+    root = Path(os.environ["GPU_AGENT_DRIVER_ROOT"])
+    backend = NvmlBackend(health=HealthConfig(check_interval_s=3600), driver_root=root, required=True)
+    await backend.open()
+    inventory = await backend.load()
+    await backend.close()
+    gpu = next((g for g in inventory.gpus if not g.mig_enabled), None)
+    if gpu is None:
+        print("every GPU is in MIG mode: skipped")
+        return
+    policy = share_policy(gpu, default_mib=1024, step_mib=1024, mps=True)
+    shape = GpuShape(PublishMode.SHARED, share=policy)
+    device = next(d for d in dra_devices(inventory, {gpu.uuid: shape}) if d.share is not None)
+    result = DeviceResult("r", "gpu-node-agent.nvidia.com", "node", device.name, "check", False, {"memory": "4Gi"})
+    pending = PendingClaim(ClaimRef("ns", "check", "uid-check"), [PlannedDevice(result, device, {}, 4 << 30)], None)
+    base = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    supervisor = MpsSupervisor(driver_root=root, base_dir=base, check_interval_s=1.0)
+    shares = MpsShares(mps=supervisor)
+    try:
+        ready, failed = await shares.setup([pending])
+        if failed:
+            print("share not set up:", failed)
+            return
+        claimed = ready[0].cdi_devices()
+        print("CDI devices:", claimed.devices)
+        print("env:", claimed.env)
+        print("mounts:", claimed.mounts)
+        env = dict(e.split("=", 1) for e in claimed.env[claimed.devices[0]])
+        (pipe, _), (log, _) = claimed.mounts[claimed.devices[0]]
+        env.update(CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=log, CUDA_VISIBLE_DEVICES=gpu.uuid)
+        child = subprocess.run([sys.executable, "-c", CLIENT], env={**os.environ, **env}, capture_output=True,
+                               text=True, timeout=30)
+        print("client:", child.returncode, child.stdout, child.stderr[-2000:])
+        print("status:", supervisor.status())
+    finally:
+        await shares.release_unused(lambda gpu_uuid: False)
+        await supervisor.close()
+        for found in sorted(base.glob("*/log/*")):
+            print(f"== {found}\n{found.read_text(errors='replace')[-4000:]}")
         shutil.rmtree(base, ignore_errors=True)
 
 asyncio.run(main())

@@ -7,7 +7,10 @@
 * :class:`FakeKubelet` — the kubelet's plugin watcher on the registration socket, through
   grpcio like the real (Go) kubelet: GetInfo with a 1 s deadline, then NotifyRegistrationStatus.
 * :class:`DraHarness` — the DRA mechanism on a simulated node in a short temporary root, with
-  the real CDI service (env-only specs for simulated GPUs) and grpcio stubs for the kubelet.
+  the real CDI service (env-only specs for simulated GPUs) and grpcio stubs for the kubelet;
+  with ``mig=True`` its GPUs are MIG-capable H100s whose instances a
+  :class:`~tests.partition_fakes.FakeMig` makes, and shares run under a
+  :class:`~tests.partition_fakes.FakeMps`.
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness
 from agent.core.node import NodeFacts
+from agent.core.ownership.publish import PublishState, compute_publish_modes
 from agent.core.ownership.table import OwnershipState, compute_ownership
+from agent.core.partitioning import NoMig
 from agent.dra.claims.driver import PrepareTimeouts
 from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
+from agent.dra.modes import ModeGate
 from agent.kube.claims.model import ClaimRef, DeviceResult, OpaqueConfig, PodRef, ResourceClaim
 from agent.kube.errors import KubeError
 from tests._grpcio import (
@@ -46,13 +52,14 @@ from tests._grpcio import (
     pluginregistration_v1_pb2,
     pluginregistration_v1_pb2_grpc,
 )
+from tests.partition_fakes import FakeMig, FakeMps, mig_capable
 from tests.test_ownership import granted_gpus
 from tests.test_plugin_fakes import FAST_BACKOFF, short_tmpdir, wait_for
 
 NODE = "node-a"
 DRIVER = "gpu-node-agent.nvidia.com"
 BOOT = "boot-1"
-FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0), backoff=FAST_BACKOFF)
+FAST = DraTuning(timeouts=PrepareTimeouts(api_s=0.3, lock_s=1.0, held_s=0.05), backoff=FAST_BACKOFF)
 HEALTH = HealthConfig(check_interval_s=0.05, recovery_quiet_s=0.0)
 
 
@@ -64,8 +71,18 @@ def result(
     pool: str = NODE,
     share_id: str | None = None,
     admin: bool = False,
+    memory: str | None = None,
 ) -> DeviceResult:
-    return DeviceResult(request=request, driver=driver, pool=pool, device=device, share_id=share_id, admin_access=admin)
+    consumed = {"memory": memory} if memory is not None else {}
+    return DeviceResult(
+        request=request,
+        driver=driver,
+        pool=pool,
+        device=device,
+        share_id=share_id,
+        admin_access=admin,
+        consumed=consumed,
+    )
 
 
 def gpu_config(env: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -213,6 +230,12 @@ class DraHarness:
     cdi: CdiService | None = None
     mechanism: DraMechanism | None = None
     task: asyncio.Task[None] | None = None
+    #: dynamic MIG: the hardware's instances (None: the node cannot make any)
+    mig: FakeMig | None = None
+    mps: FakeMps | None = None
+    publish: PublishState = field(default_factory=PublishState)
+    owners: dict[str, Owner] = field(default_factory=dict)
+    reloads: int = 0
 
     # --- paths and peers -------------------------------------------------------------------
 
@@ -265,7 +288,29 @@ class DraHarness:
         return gpu.uuid
 
     def set_owner(self, gpus: dict[str, Owner], version: str) -> bool:
+        self.owners = dict(gpus)
         return self.ownership.update(ownership_table(self.inventory, gpus, version))
+
+    def set_publish(self, publish: Any, **sharing: Any) -> bool:
+        """``dra.publish`` as a config file says it (a mode, or a mapping with rules), and
+        ``dra.sharing`` fields, reloaded live."""
+        document = _plain(self.config)
+        document["dra"]["publish"] = publish
+        document["dra"]["sharing"].update(sharing)
+        self.config = build_config(document)
+        return self.publish.update(
+            compute_publish_modes(self.inventory, self.config.dra, node_name=NODE, node_labels={})
+        )
+
+    async def reload(self) -> None:
+        """The backend read again: the MIG instances that exist now appear in the inventory."""
+        self.reloads += 1
+        if self.mig is None:
+            return
+        inventory = self.mig.inventory()
+        self.health.set_inventory(inventory)
+        self.ownership.update(ownership_table(inventory, self.owners, "reload"))
+        self.inventories.update(inventory)
 
     def fault(self, uuid: str, *, healthy: bool = False) -> None:
         kind = SignalKind.INJECTED_HEAL if healthy else SignalKind.INJECTED_FAULT
@@ -279,6 +324,7 @@ class DraHarness:
         cdi = create_cdi_service(self.config, inventory=self.inventories, registry=self.registry)
         assert isinstance(cdi, CdiService)
         self.cdi = cdi
+        gate = ModeGate(inventory=self.inventories, publish=self.publish)
         self.mechanism = await build_dra(
             self.config,
             claims=self.claims,
@@ -289,7 +335,11 @@ class DraHarness:
             node_name=NODE,
             boot_id=self.boot_id,
             tuning=self.tuning,
+            gate=gate,
+            mig=self.mig or NoMig(),
+            mps=self.mps,
         )
+        self.mechanism.driver.set_inventory_reload(self.reload)
         return self.mechanism
 
     async def start(self) -> None:
@@ -337,12 +387,25 @@ class DraHarness:
 
 @contextlib.asynccontextmanager
 async def dra_harness(
-    *, preset: str = "h100-8x-nvlink", start: bool = True, tuning: DraTuning = FAST, **config: Any
+    *,
+    preset: str = "h100-8x-nvlink",
+    start: bool = True,
+    tuning: DraTuning = FAST,
+    mig: bool = False,
+    mig_enabled: bool | Iterable[int] = True,
+    mig_architecture: str = "",
+    publish: Any = None,
+    **config: Any,
 ) -> AsyncIterator[DraHarness]:
     with short_tmpdir() as root:
         (root / "driver").mkdir()  # no driver files: simulated GPUs get env-only CDI specs
         backend = SimulatedBackend(preset=preset, node_name=NODE, health=HEALTH)
         inventory = await backend.load()
+        if mig and isinstance(mig_enabled, bool):
+            inventory = mig_capable(inventory, enabled=mig_enabled, architecture=mig_architecture)
+        elif mig:  # the GPUs at these indexes are in MIG mode, the others can do MIG but are not
+            on = set(mig_enabled)
+            inventory = mig_capable(mig_capable(inventory, enabled=False, architecture=mig_architecture), indexes=on)
         health = HealthMonitor(config=HEALTH)
         health.set_inventory(inventory)
         ownership = OwnershipState(ownership_table(inventory))
@@ -355,7 +418,11 @@ async def dra_harness(
             claims=FakeClaimSource(),
             publisher=FakePublisher(ownership),
             tuning=tuning,
+            mig=FakeMig(inventory) if mig else None,
+            mps=FakeMps(root / "mps"),
         )
+        if publish is not None:
+            harness.set_publish(publish)
         try:
             if start:
                 await harness.start()
@@ -369,3 +436,11 @@ def answer(response: Any, uid: str) -> list[tuple[tuple[str, ...], str, str, tup
     entry = response.claims[uid]
     assert entry.error == "", entry.error
     return [(tuple(d.request_names), d.pool_name, d.device_name, tuple(d.cdi_device_ids)) for d in entry.devices]
+
+
+def _plain(config: Config) -> dict[str, Any]:
+    """A config as the document it could have been read from."""
+    from agent.core.config.loader import to_plain
+
+    document: dict[str, Any] = to_plain(config)
+    return document

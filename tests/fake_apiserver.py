@@ -189,11 +189,22 @@ def _now() -> str:
 
 
 class FakeApiServer:
-    def __init__(self, *, versions: tuple[str, ...] = ("v1",), taints: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        versions: tuple[str, ...] = ("v1",),
+        taints: bool = True,
+        partitionable: bool = True,
+        consumable: bool = True,
+    ) -> None:
         #: resource.k8s.io versions served; tests change it to upgrade or downgrade the "cluster"
         self.versions = versions
         #: whether device taints are kept (gate DRADeviceTaints); False drops them silently
         self.taints = taints
+        #: gates DRAPartitionableDevices (counters) and DRAConsumableCapacity (shared devices),
+        #: on by default in 1.36; False drops their fields silently, as the real apiserver does
+        self.partitionable = partitionable
+        self.consumable = consumable
         #: 1.35+: at most 64 devices in a slice with taints
         self.taint_device_limit = 64
         self.rv = 100
@@ -717,13 +728,23 @@ class FakeApiServer:
             raise _Invalid(["body: Invalid value: not an object"])
         obj = copy.deepcopy(body)
         obj["apiVersion"] = f"{GROUP}/v1"
-        devices = (obj.get("spec") or {}).get("devices") or []
+        spec = obj.get("spec") or {}
+        if not self.partitionable or version == "v1beta1":
+            spec.pop("sharedCounters", None)
+        devices = spec.get("devices") or []
         for i, device in enumerate(devices):
             if version == "v1beta1":
                 basic = device.pop("basic", None) or {}
                 device.update(basic)
             if not self.taints:
                 device.pop("taints", None)
+            if not self.partitionable or version == "v1beta1":
+                device.pop("consumesCounters", None)
+            if not self.consumable or version == "v1beta1":
+                device.pop("allowMultipleAllocations", None)
+                for capacity in (device.get("capacity") or {}).values():
+                    if isinstance(capacity, dict):
+                        capacity.pop("requestPolicy", None)
             for taint in device.get("taints") or []:
                 taint.setdefault("timeAdded", _now())
             devices[i] = device
@@ -926,8 +947,16 @@ def _validate_slice(obj: dict[str, Any], *, taint_limit: int | None) -> None:
             "but multiple fields are set"
         )
     devices = spec.get("devices") or []
-    tainted = any(d.get("taints") for d in devices if isinstance(d, dict))
-    limit = taint_limit if (tainted and taint_limit) else 128
+    counters = spec.get("sharedCounters") or []
+    if devices and counters:
+        errors.append("spec: Invalid value: \"\": only one of 'sharedCounters' or 'devices' is allowed")
+    if len(counters) > 8:
+        errors.append(f"spec.sharedCounters: Too many: {len(counters)}: must have at most 8 items")
+    for i, counter_set in enumerate(counters):
+        errors.extend(_counter_errors(counter_set, f"spec.sharedCounters[{i}]"))
+    tainted = any(d.get("taints") or d.get("consumesCounters") for d in devices if isinstance(d, dict))
+    limit = 64 if any(isinstance(d, dict) and d.get("consumesCounters") for d in devices) else 128
+    limit = taint_limit if (tainted and taint_limit and limit == 128) else limit
     if len(devices) > limit:
         errors.append(f"spec.devices: Too many: {len(devices)}: must have at most {limit} items")
     seen: set[str] = set()
@@ -975,6 +1004,15 @@ def _device_errors(device: Any, where: str, seen: set[str]) -> list[str]:
             f"{where}.attributes: Invalid value: {len(attributes) + len(capacity)}: "
             "the total number of attributes and capacities must not exceed 32"
         )
+    consumes = device.get("consumesCounters") or []
+    if len(consumes) > 2:
+        errors.append(f"{where}.consumesCounters: Too many: {len(consumes)}: must have at most 2 items")
+    for j, use in enumerate(consumes):
+        errors.extend(_counter_errors({"name": use.get("counterSet"), **use}, f"{where}.consumesCounters[{j}]"))
+    for key, value in capacity.items():
+        policy = (value or {}).get("requestPolicy")
+        if policy is not None:
+            errors.extend(_policy_errors(policy, str(value.get("value")), device, f"{where}.capacity[{key}]"))
     for j, taint in enumerate(device.get("taints") or []):
         at = f"{where}.taints[{j}]"
         if taint.get("effect") not in ("NoSchedule", "NoExecute", "None"):
@@ -982,6 +1020,49 @@ def _device_errors(device: Any, where: str, seen: set[str]) -> list[str]:
         if not _LABEL_VALUE.fullmatch(str(taint.get("value", ""))) or len(str(taint.get("value", ""))) > 63:
             errors.append(f'{at}.value: Invalid value: "{taint.get("value")}": a valid label must be ...')
         errors.extend(_key_errors(str(taint.get("key", "")), f"{at}.key", qualified_name=True))
+    return errors
+
+
+def _counter_errors(counter_set: dict[str, Any], where: str) -> list[str]:
+    errors = []
+    name = str(counter_set.get("name") or "")
+    if not _DNS_LABEL.fullmatch(name):
+        errors.append(f'{where}.name: Invalid value: "{name}": {_LABEL_MSG}')
+    values = counter_set.get("counters") or {}
+    if not values:
+        errors.append(f"{where}.counters: Required value")
+    if len(values) > 32:
+        errors.append(f"{where}.counters: Too many: {len(values)}: must have at most 32 items")
+    for key, value in values.items():
+        if not _DNS_LABEL.fullmatch(key):
+            errors.append(f'{where}.counters[{key}]: Invalid value: "{key}": {_LABEL_MSG}')
+        if not _QUANTITY.fullmatch(str((value or {}).get("value", ""))):
+            errors.append(f"{where}.counters[{key}].value: Required value")
+    return errors
+
+
+def _bytes(quantity: str) -> int:
+    """The binary quantities the agent writes (``81559Mi``, ``1Gi``, ``12``), as bytes."""
+    for suffix, shift in (("Ki", 10), ("Mi", 20), ("Gi", 30), ("Ti", 40)):
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) << shift
+    return int(quantity)
+
+
+def _policy_errors(policy: dict[str, Any], value: str, device: dict[str, Any], where: str) -> list[str]:
+    """The request policy rules of validation.go (validateRequestPolicy...), for validRange policies."""
+    if device.get("allowMultipleAllocations") is not True:
+        return [f"{where}.requestPolicy: Forbidden: allowMultipleAllocations must be true"]
+    valid = policy.get("validRange") or {}
+    if "default" not in policy or "min" not in valid:
+        return [f"{where}.requestPolicy: Required value: default and validRange.min"]
+    total, default, low = _bytes(value), _bytes(policy["default"]), _bytes(valid["min"])
+    step = _bytes(valid["step"]) if "step" in valid else 0
+    errors = []
+    if not low <= default <= total:
+        errors.append(f"{where}.requestPolicy.default: Invalid value: must be between min and the capacity")
+    if step and (low + step > total or (default - low) % step):
+        errors.append(f"{where}.requestPolicy.validRange.step: Invalid value: does not fit the capacity or default")
     return errors
 
 

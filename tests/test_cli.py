@@ -87,9 +87,46 @@ def test_config_check_prints_effective_ownership(tmp_path: Path) -> None:
     assert code == 0, out
     assert "valid" in out and "matched ownership.nodes[0]; default owner: dra" in out
     lines = [line.split() for line in out.splitlines() if line.startswith("    ")]
-    assert [owner for _, _, owner in lines] == ["device-plugin"] + ["dra"] * 7
+    assert [owner for _, _, owner, _ in lines] == ["device-plugin"] + ["dra"] * 7
+    assert {mode for _, _, _, mode in lines} == {"whole"}
     code, out, _ = invoke("config", "check", str(path), "--node-name", "n1")
     assert code == 0 and "cluster default owner: device-plugin" in out
+
+
+PUBLISH = """
+ownership: {default: dra}
+dra:
+  publish:
+    default: whole
+    nodes:
+      - match: {labels: {pool: mig}}
+        default: dynamic-mig
+        gpus: {"7": shared, "GPU-nope": shared}
+  sharing: {mps: true}
+"""
+
+
+def test_config_check_prints_the_dra_publish_modes(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(PUBLISH)
+    code, out, _ = invoke("config", "check", str(path), "--node-name", "n1", "--label", "pool=mig", "--simulated")
+    assert code == 0, out
+    assert "matched dra.publish.nodes[0]; DRA publishes GPUs dynamic-mig" in out and "MPS limits" in out
+    lines = [line.split() for line in out.splitlines() if line.startswith("    ")]
+    assert [mode for *_, mode in lines] == ["dynamic-mig"] * 7 + ["shared"]
+    assert "warning: dra.publish.nodes[0].gpus['GPU-nope']: no GPU with that UUID" in out
+    code, out, _ = invoke("config", "check", str(path), "--node-name", "n1")
+    assert code == 0 and "DRA publishes GPUs whole (dra.publish.default)" in out
+
+
+def test_config_check_names_a_bad_publish_mode(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("dra: {publish: {nodes: [{match: {names: [a]}, gpus: {'0': sliced}}]}}")
+    code, out, err = invoke("config", "check", str(path))
+    assert code != 0
+    assert (
+        "dra.publish.nodes[0].gpus['0']: expected one of 'whole' | 'dynamic-mig' | 'shared', got 'sliced'" in out + err
+    )
 
 
 def test_config_check_warns_about_inert_overrides(tmp_path: Path) -> None:

@@ -89,6 +89,18 @@ def test_full_ownership_shape() -> None:
         ({"dra": {"driver_name": "Not_A_Driver"}}, "dra.driver_name: 'Not_A_Driver' is not a valid DRA driver name"),
         ({"dra": {"driver_name": "a" * 64 + ".com"}}, "is not a valid DRA driver name"),
         ({"paths": {"device_plugins_dir": "dp"}}, "paths.device_plugins_dir: must be an absolute path"),
+        (
+            {"dra": {"publish": "sliced"}},
+            "dra.publish: expected one of 'whole' | 'dynamic-mig' | 'shared' or a mapping",
+        ),
+        ({"dra": {"publish": 3}}, "dra.publish: expected a mapping, got 3"),
+        ({"dra": {"publish": {"default": "half"}}}, "dra.publish.default: expected one of 'whole'"),
+        ({"dra": {"publish": {"nodes": [{"gpus": {"0": "shared"}}]}}}, "dra.publish.nodes[0].match: name node names"),
+        ({"dra": {"publish": {"nodes": [{"match": {"names": ["a"]}, "gpus": {"0": 1}}]}}}, "gpus['0']: expected one"),
+        ({"dra": {"sharing": {"memory_step_mib": 0}}}, "dra.sharing.memory_step_mib: must be between 1 and 1048576"),
+        ({"dra": {"sharing": {"default_memory_mib": 10**12}}}, "dra.sharing.default_memory_mib: must be between"),
+        ({"dra": {"sharing": {"default_memory_mib": 1536}}}, "must be a multiple of memory_step_mib (1024)"),
+        ({"dra": {"sharing": {"mps": "maybe"}}}, "dra.sharing.mps: expected true or false"),
     ],
 )
 def test_bad_documents_name_the_field(document: dict[str, object], message: str) -> None:
@@ -182,3 +194,27 @@ def test_alias_bomb_is_refused_quickly(tmp_path: Path) -> None:
     path.write_text("node_labels:\n" + "\n".join("  " + line for line in lines) + "\n")
     with pytest.raises(ConfigError, match="too large or too deeply nested"):
         load_config(path)
+
+
+def test_dra_publish_is_a_mode_or_rules_and_reloads_live() -> None:
+    from agent.core.config.schema import PublishMode
+    from agent.core.config.watcher import keep_restart_only
+
+    assert build_config({"dra": {"publish": "shared"}}).dra.publish.default is PublishMode.SHARED
+    rules = build_config(
+        {
+            "dra": {
+                "publish": {
+                    "default": "dynamic-mig",
+                    "nodes": [{"match": {"labels": {"p": "x"}}, "gpus": {"0": "whole"}}],
+                }
+            }
+        }
+    ).dra.publish
+    assert rules.default is PublishMode.DYNAMIC_MIG and rules.nodes[0].gpus == {"0": PublishMode.WHOLE}
+    old = build_config({})
+    new = build_config({"dra": {"publish": "shared", "driver_name": "other.example.com", "sharing": {"mps": True}}})
+    kept, changed = keep_restart_only(old, new)
+    assert changed == ["dra.driver_name"]  # the driver name needs a restart; the publish modes do not
+    assert kept.dra.driver_name == old.dra.driver_name
+    assert kept.dra.publish.default is PublishMode.SHARED and kept.dra.sharing.mps

@@ -12,6 +12,7 @@ import pytest
 
 from agent.core.config.loader import build_config
 from agent.core.ownership.plan import PlanRow, plan_rows, render
+from agent.core.ownership.publish import compute_publish_modes
 from agent.core.ownership.table import compute_ownership
 from tests.agentproc import AgentProcess, run_cli, wait_for
 from tests.test_ownership import _inventory
@@ -101,3 +102,28 @@ def test_plan_against_a_running_agent_and_without_one(tmp_path: Path) -> None:
     assert offline.returncode == 0, offline.stderr
     assert "no running agent" in offline.stdout and "current owners unknown" in offline.stdout
     assert "  0  GPU-" in offline.stdout and "dra" in offline.stdout.splitlines()[2]
+
+
+def test_rows_show_the_dra_publish_mode_a_gpu_has_and_would_get() -> None:
+    document = {
+        "ownership": {"default": "dra"},
+        "dra": {"publish": {"nodes": [{"match": {"names": ["n1"]}, "gpus": {"1": "shared", "2": "dynamic-mig"}}]}},
+    }
+    config = build_config(document)
+    inventory = _inventory()
+    desired = compute_ownership(inventory, config.ownership, node_name="n1", node_labels={}, version="p")
+    publish = compute_publish_modes(inventory, config.dra, node_name="n1", node_labels={})
+    current = {f"GPU-{i}": "dra" for i in range(4)}
+    now = {"GPU-1": "whole", "GPU-2": "changing->dynamic-mig"}
+    rows = plan_rows(inventory, desired, current=current, holders={}, publish=publish, publish_now=now)
+    assert [(r.publish_now, r.publish) for r in rows] == [
+        ("", "whole"),
+        ("whole", "shared"),
+        ("changing->dynamic-mig", "dynamic-mig"),
+        ("", "whole"),
+    ]
+    text = render(rows, node="n1", source="test")
+    assert "DRA publishes it whole -> shared" in text
+    assert "DRA publishes it dynamic-mig, after the claims that hold it now" in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert rows[1].as_dict()["publish"] == "shared"

@@ -101,16 +101,45 @@ OTHER_DRIVER = {
     "attributes": {"gpu.nvidia.com": OTHER_DRIVER["attributes"][DOMAIN]},
     "capacity": {"gpu.nvidia.com": OTHER_DRIVER["capacity"][DOMAIN]},
 }
-DEVICES = [*H100, *A100_MIG, A100, RTX, H200, OTHER_DRIVER]
-WHOLE_GPUS = ["gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-5"]
+
+
+def _partition(parent: dict[str, Any], profile: str, start: int, memory: str) -> dict[str, Any]:
+    """A dynamic-mig partition: a MIG profile placement, no UUID until it is made."""
+    device = _mig(parent, 0, profile, memory)
+    device["name"] = f"{parent['name']}-mig-{profile.replace('.', '')}-19-{start}"
+    del device["attributes"][DOMAIN]["uuid"]
+    return device
+
+
+def _shared(parent: dict[str, Any]) -> dict[str, Any]:
+    device = {**parent, "name": f"{parent['name']}-shared", "attributes": {**parent["attributes"]}}
+    device["attributes"][DOMAIN] = {**parent["attributes"][DOMAIN], "type": "shared", "sharing": "time-sliced"}
+    return device
+
+
+H100_PARTITIONED = _gpu(
+    "gpu-6", "NVIDIA H100 80GB HBM3", "81559Mi", minor=6, arch="Hopper", cc="9.0.0", bus="00000000:9B:00.0"
+)
+PARTITIONS = [
+    _partition(H100_PARTITIONED, "1g.10gb", 0, "9984Mi"),
+    _partition(H100_PARTITIONED, "3g.40gb", 4, "40448Mi"),
+]
+SHARED = _shared(
+    _gpu("gpu-7", "NVIDIA H100 80GB HBM3", "81559Mi", minor=7, arch="Hopper", cc="9.0.0", bus="00000000:9C:00.0")
+)
+DEVICES = [*H100, *A100_MIG, A100, RTX, H200, H100_PARTITIONED, *PARTITIONS, SHARED, OTHER_DRIVER]
+WHOLE_GPUS = ["gpu-0", "gpu-1", "gpu-3", "gpu-4", "gpu-5", "gpu-6"]
 
 #: DeviceClass name -> the devices (by name, of our driver) it must select, exactly
 EXPECTED = {
     "gpu.gpu-node-agent.nvidia.com": WHOLE_GPUS,
     "gpu-extended-resource.gpu-node-agent.nvidia.com": WHOLE_GPUS,
-    "gpu-80gb.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1", "gpu-5"],
-    "h100-80gb-hbm3.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1"],
+    "gpu-80gb.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1", "gpu-5", "gpu-6"],
+    "h100-80gb-hbm3.gpu-node-agent.nvidia.com": ["gpu-0", "gpu-1", "gpu-6"],
     "mig-1g.5gb.gpu-node-agent.nvidia.com": ["gpu-2-mig-1-0", "gpu-2-mig-2-0"],
+    "mig-1g.10gb.gpu-node-agent.nvidia.com": ["gpu-6-mig-1g10gb-19-0"],
+    "mig-3g.40gb.gpu-node-agent.nvidia.com": ["gpu-6-mig-3g40gb-19-4"],
+    "shared-gpu.gpu-node-agent.nvidia.com": ["gpu-7-shared"],
 }
 
 
@@ -236,6 +265,10 @@ def test_versions_compare_in_cel() -> None:
         "gpu-0",
         "gpu-1",
         "gpu-5",
+        "gpu-6",
+        "gpu-6-mig-1g10gb-19-0",
+        "gpu-6-mig-3g40gb-19-4",
+        "gpu-7-shared",
     ]
 
 
@@ -246,22 +279,29 @@ def test_invalid_semver_is_refused(text: str) -> None:
         Semver.parse(text)
 
 
-def _published(preset: str, version: str = "v1") -> list[dict[str, Any]]:
-    """What the agent's publisher writes for a simulated preset, every GPU given to DRA."""
+def _published(preset: str, version: str = "v1", publish: object = "whole") -> list[dict[str, Any]]:
+    """What the agent's publisher writes for a simulated preset, every GPU given to DRA and
+    published as ``publish`` says (``dra.publish``)."""
     import asyncio
 
     from agent.backends.simulated import SimulatedBackend
+    from agent.core.config.loader import build_config
     from agent.core.config.schema import HealthConfig
-    from agent.dra.devices import dra_devices
+    from agent.core.inventory.current import InventoryState
+    from agent.core.ownership.publish import PublishState, compute_publish_modes
+    from agent.dra.modes import ModeGate
     from agent.dra.slices.codec import slice_body
     from agent.dra.slices.plan import pool_devices, split
 
     inventory = asyncio.run(SimulatedBackend(preset=preset, node_name="n", health=HealthConfig()).load())
+    config = build_config({"dra": {"publish": publish}})
+    modes = compute_publish_modes(inventory, config.dra, node_name="n", node_labels={})
+    gate = ModeGate(inventory=InventoryState(inventory), publish=PublishState(modes))
     devices = pool_devices(
-        dra_devices(inventory), granted=lambda _: True, unhealthy_cause=lambda _: None, driver=DOMAIN, taints=False
+        gate.devices(), granted=lambda _: True, unhealthy_cause=lambda _: None, driver=DOMAIN, taints=False
     )
     out: list[dict[str, Any]] = []
-    for part in split(devices):
+    for part in split(devices, gate.counter_sets()):
         body = slice_body(
             version, node="n", node_uid="u", driver=DOMAIN, generation=1, count=1, devices=part, generate_name="n-"
         )
@@ -269,12 +309,18 @@ def _published(preset: str, version: str = "v1") -> list[dict[str, Any]]:
     return out
 
 
+PUBLISH_MODES = ["whole", "dynamic-mig", "shared"]
+
+
+@pytest.mark.parametrize("publish", PUBLISH_MODES)
 @pytest.mark.parametrize("version", ["v1", "v1beta1"])
 @pytest.mark.parametrize("preset", ["h100-8x-nvlink", "a100-4x-mig", "workstation-2x-pcie"])
-def test_classes_select_from_what_the_publisher_really_writes(preset: str, version: str) -> None:
-    """The classes against the publisher's own output for every simulated preset; what each must
-    select is worked out from the published attributes in plain Python, not by CEL."""
-    published = _published(preset, version)
+def test_classes_select_from_what_the_publisher_really_writes(preset: str, version: str, publish: str) -> None:
+    """The classes against the publisher's own output for every simulated preset and publish mode;
+    what each must select is worked out from the published attributes in plain Python, not by CEL."""
+    if version == "v1beta1" and publish != "whole":
+        pytest.skip("the agent never writes counters or shared devices as v1beta1 (its GPUs fall back to whole)")
+    published = _published(preset, version, publish)
     assert published
 
     def attrs(d: dict[str, Any]) -> dict[str, Any]:
@@ -296,9 +342,35 @@ def test_classes_select_from_what_the_publisher_really_writes(preset: str, versi
             for d in published
             if attrs(d)["type"] == "gpu" and attrs(d)["productName"] == "NVIDIA H100 80GB HBM3"
         ],
-        "mig-1g.5gb.gpu-node-agent.nvidia.com": [
-            d["name"] for d in published if attrs(d)["type"] == "mig" and attrs(d).get("profile") == "1g.5gb"
-        ],
+        **{
+            f"mig-{profile}.gpu-node-agent.nvidia.com": [
+                d["name"] for d in published if attrs(d)["type"] == "mig" and attrs(d).get("profile") == profile
+            ]
+            for profile in ("1g.5gb", "1g.10gb", "3g.40gb")
+        },
+        "shared-gpu.gpu-node-agent.nvidia.com": [d["name"] for d in published if attrs(d)["type"] == "shared"],
     }
     for name, cls in _device_classes().items():
         assert [d["name"] for d in select(cls, published)] == wanted[name], name
+
+
+def test_dynamic_mig_offers_seven_1g_10gb_per_h100_and_the_whole_gpus() -> None:
+    """What the 56 x 1g.10gb check on eight H100s relies on: seven placements each, the whole GPU
+    too (it takes every slice), nothing else selected by the whole-GPU class."""
+    published = _published("h100-8x-nvlink", "v1", "dynamic-mig")
+    classes = _device_classes()
+    small = select(classes["mig-1g.10gb.gpu-node-agent.nvidia.com"], published)
+    assert len(small) == 56 and {d["name"].rsplit("-", 1)[1] for d in small} == {str(i) for i in range(7)}
+    assert [d["name"] for d in select(classes["gpu.gpu-node-agent.nvidia.com"], published)] == [
+        f"gpu-{i}" for i in range(8)
+    ]
+    assert len(select(classes["mig-3g.40gb.gpu-node-agent.nvidia.com"], published)) == 16
+
+
+def test_shared_gpus_are_only_selected_by_the_shared_class() -> None:
+    published = _published("h100-8x-nvlink", "v1", "shared")
+    classes = _device_classes()
+    assert [d["name"] for d in select(classes["shared-gpu.gpu-node-agent.nvidia.com"], published)] == [
+        f"gpu-{i}-shared" for i in range(8)
+    ]
+    assert select(classes["gpu.gpu-node-agent.nvidia.com"], published) == []

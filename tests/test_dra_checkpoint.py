@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -70,7 +72,7 @@ def test_missing_is_a_fresh_start(tmp_path: Path) -> None:
         (lambda raw: raw[: len(raw) // 2], "not JSON"),
         (lambda raw: b"", "not JSON"),
         (lambda raw: raw.replace(b'"gpu-0"', b'"gpu-9"'), "checksum mismatch"),
-        (lambda raw: raw.replace(b'"version": 1', b'"version": 2'), "written by a newer agent (version 2"),
+        (lambda raw: raw.replace(b'"version": 2', b'"version": 3'), "written by a newer agent (version 3"),
         (lambda raw: b'{"kind": "Something", "version": 1}', "not a checkpoint of this agent"),
         (lambda raw: b"\xff\xfe\x00", "not JSON"),
     ],
@@ -206,3 +208,79 @@ def test_boot_id(tmp_path: Path) -> None:
     (tmp_path / "boot_id").write_text("0e1f\n")
     assert read_boot_id(tmp_path / "boot_id") == "0e1f"
     assert read_boot_id(tmp_path / "none") == ""
+
+
+def test_a_version_1_checkpoint_still_loads(tmp_path: Path) -> None:
+    """Written by an agent before partitions: no instances, devices without the new fields."""
+
+    device = {
+        "pool": "node-a",
+        "device": "gpu-0",
+        "uuid": "GPU-0",
+        "gpuUUID": "GPU-0",
+        "requests": ["gpu"],
+        "shareID": None,
+        "cdiDeviceIDs": ["k/claim=u1-GPU-0"],
+        "env": {},
+        "adminAccess": False,
+    }
+    claim_v1 = {"namespace": "ns", "name": "c", "uid": "u1", "preparedAt": NOW, "complete": True, "devices": [device]}
+    data = {"bootID": "b", "writtenAt": NOW, "claims": [claim_v1]}
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    document = {
+        "kind": "GpuNodeAgentDraCheckpoint",
+        "version": 1,
+        "checksum": "sha256:" + hashlib.sha256(canonical).hexdigest(),
+        "data": data,
+    }
+    (tmp_path / FILE_NAME).write_text(json.dumps(document))
+    loaded = store(tmp_path).load()
+    assert loaded.status == "ok" and loaded.instances == ()
+    (device_loaded,) = loaded.claims["u1"].devices
+    assert device_loaded.placement is None and device_loaded.share_memory is None and not device_loaded.mps
+
+
+def test_instances_and_partition_fields_round_trip(tmp_path: Path) -> None:
+    from agent.core.inventory.model import MigPlacement
+    from agent.dra.claims.checkpoint import CreatedInstance
+
+    part = dataclasses.replace(
+        claim().devices[0], name="gpu-0-mig-1g10gb-19-2", uuid="MIG-1", placement=MigPlacement(2, 1), profile_id=19
+    )
+    share = dataclasses.replace(
+        claim().devices[0], share_id="s", share_memory=8 << 30, mps=True, mounts=(("/a", "/b"),)
+    )
+    made = CreatedInstance("GPU-0", 19, MigPlacement(2, 1), "u1", "MIG-1", 3, 0)
+    making = CreatedInstance("GPU-0", 9, MigPlacement(4, 4), "u2")
+    s = store(tmp_path)
+    s.write([claim("u1", devices=(part, share))], boot_id="b", instances=[made, making])
+    loaded = s.load()
+    assert loaded.claims["u1"].devices == (part, share) and set(loaded.instances) == {made, making}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda i: i.update(placement={"start": -1, "size": 1}), "negative"),
+        (lambda i: i.update(placement={"start": 0, "size": 0}), "not a placement"),
+        (lambda i: i.update(placement={"start": 60, "size": 8}), "not a placement"),
+        (lambda i: i.update(profileID=True), "wrong type bool"),
+        (lambda i: i.update(uuid=None), "set together"),
+        (lambda i: i.update(extra=1), "unknown field"),
+    ],
+)
+def test_a_hostile_instance_record_makes_the_file_unusable(tmp_path: Path, change: Any, problem: str) -> None:
+    from agent.core.inventory.model import MigPlacement
+    from agent.dra.claims.checkpoint import CreatedInstance
+
+    raw = json.loads(
+        encode(
+            [], boot_id="b", written_at=NOW, instances=[CreatedInstance("G", 19, MigPlacement(0, 1), "u", "M", 1, 0)]
+        )
+    )
+    change(raw["data"]["instances"][0])
+
+    canonical = json.dumps(raw["data"], sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    raw["checksum"] = "sha256:" + hashlib.sha256(canonical).hexdigest()
+    with pytest.raises(Exception, match=problem):
+        decode(json.dumps(raw).encode())

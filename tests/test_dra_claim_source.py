@@ -146,6 +146,21 @@ async def test_a_version_that_went_away_is_rediscovered(source_for: Any, tmp_pat
         (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(shareID=5), "shareID"),
         (lambda c: c["status"].update(reservedFor=[{"uid": "x"}]), "reservedFor[0].name"),
         (lambda c: c["status"]["allocation"]["devices"].update(results=[{}] * 300), "too many"),
+        (lambda c: c["status"]["allocation"]["devices"]["results"][0].update(consumedCapacity=[1]), "consumedCapacity"),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(consumedCapacity={"memory": 40}),
+            "'memory' is not a quantity",
+        ),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(
+                consumedCapacity={f"c{i}": "1" for i in range(100)}
+            ),
+            "at most 64 quantities",
+        ),
+        (
+            lambda c: c["status"]["allocation"]["devices"]["results"][0].update(consumedCapacity={"memory": "9" * 500}),
+            "is not a quantity",
+        ),
     ],
 )
 def test_malformed_claims_are_one_clear_per_claim_error(change: Any, message: str) -> None:
@@ -155,3 +170,10 @@ def test_malformed_claims_are_one_clear_per_claim_error(change: Any, message: st
         parse_claim(raw, api_version="resource.k8s.io/v1")
     text = str(err.value)
     assert message in text and text.startswith(f"ResourceClaim {NS}/c1: ") and not err.value.recoverable
+
+
+def test_a_share_carries_its_share_id_and_consumed_capacity() -> None:
+    raw = _claim("v1")
+    raw["status"]["allocation"]["devices"]["results"][0].update(shareID="3f1c", consumedCapacity={"memory": "38Gi"})
+    result = parse_claim(raw, api_version="resource.k8s.io/v1").results[0]
+    assert result.share_id == "3f1c" and result.consumed == {"memory": "38Gi"}

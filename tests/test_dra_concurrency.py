@@ -25,7 +25,7 @@ from agent.core.inventory.current import InventoryState
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore
-from agent.dra.claims.driver import DraDriver
+from agent.dra.claims.driver import DraDriver, PrepareTimeouts
 from agent.dra.claims.prepared import PreparedClaims
 from agent.dra.claims.specwriter import ClaimSpecWriter
 from agent.dra.metrics import DraMetrics
@@ -84,6 +84,7 @@ async def scenario(claims: list[frozenset[int]], batches: int, seed: int, direct
         prepared=PreparedClaims(store, boot_id="b", metrics=metrics),
         specs=ClaimSpecWriter(cdi),  # type: ignore[arg-type]
         metrics=metrics,
+        timeouts=PrepareTimeouts(held_s=0.01),  # a claim a prepared one holds is refused at once
     )
     refs = [
         source.add(f"c{i}", *(result(f"gpu-{g}", request=f"r{g}") for g in sorted(gpus)))

@@ -10,6 +10,7 @@ slices someone deletes come back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -113,10 +114,17 @@ class Node:
 
 @pytest.fixture
 async def node() -> AsyncIterator[Node]:
+    async with running_node(SPLIT) as found:
+        yield found
+
+
+@contextlib.asynccontextmanager
+async def running_node(config_text: str) -> AsyncIterator[Node]:
+    """The agent process on a simulated node with ``config_text``, the fake API server and kubelet."""
     api = await FakeApiServer().start()
     with short_tmpdir() as root:
         config = root / "config.yaml"
-        config.write_text(SPLIT)
+        config.write_text(config_text)
         kubeconfig = write_kubeconfig(root, api.url, {"token": "t"})
         kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
         await kubelet.start()

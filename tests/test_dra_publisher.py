@@ -23,6 +23,7 @@ from agent.core.inventory.model import Inventory
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.dra.devices import dra_devices
+from agent.dra.modes import ModeGate
 from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient, Limits
@@ -84,6 +85,7 @@ async def publishing(
     *,
     limits: Limits | None = None,
     sleep: Any = None,
+    gate: ModeGate | None = None,
 ) -> AsyncIterator[KubeSlicePublisher]:
     async with KubeClient(kubeconfig_access(write_kubeconfig(tmp_path, api.url)), limits=limits) as client:
         publisher = KubeSlicePublisher(
@@ -93,6 +95,7 @@ async def publishing(
             node=NodeFacts(inventory=node.inventory, health=node.health, ownership=node.ownership),
             registry=node.registry,
             backoff=Backoff(initial_s=0.01, max_s=0.05),
+            gate=gate,
             **({"sleep": sleep} if sleep else {}),
         )
         task = asyncio.create_task(publisher.run(), name="publisher")
@@ -104,7 +107,7 @@ async def publishing(
 
 
 def _devices(api: FakeApiServer) -> list[str]:
-    return [d["name"] for s in api.slices_of() for d in s["spec"]["devices"]]
+    return [d["name"] for s in api.slices_of() for d in s["spec"].get("devices") or ()]
 
 
 def _generations(api: FakeApiServer) -> set[int]:

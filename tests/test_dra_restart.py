@@ -62,7 +62,7 @@ async def test_prepared_claims_survive_a_restart(h: DraHarness) -> None:
     assert {uid: answer(response, uid) for uid in answers} == answers
     assert h.claim_specs() == {a.uid, b.uid}
     checkpoint = h.m.debug_state()["checkpoint"]
-    assert checkpoint["loaded"] == "ok" and checkpoint["version"] == 1  # type: ignore[index]
+    assert checkpoint["loaded"] == "ok" and checkpoint["version"] == 2  # type: ignore[index]
 
 
 async def test_a_prepare_fsyncs_the_checkpoint_not_the_claim_specs(
@@ -118,7 +118,7 @@ async def test_an_unusable_checkpoint_is_rebuilt_from_the_cdi_specs(h: DraHarnes
         {
             "truncate": raw[:100],
             "edit": raw.replace(b'"gpu-1"', b'"gpu-6"'),
-            "newer-version": raw.replace(b'"version": 1', b'"version": 7'),
+            "newer-version": raw.replace(b'"version": 2', b'"version": 7'),
         }[damage],
     )
     await h.restart()  # no crash loop: it starts

@@ -24,12 +24,16 @@ def test_example_config_is_valid() -> None:
     assert config.plugin.device_list_strategy == ("cdi-cri", "envvar")
 
 
-def _owners(*args: str) -> list[str]:
+def _check(*args: str) -> list[tuple[str, str]]:
     result = CliRunner().invoke(app, ["config", "check", str(EXAMPLE), "--simulated", *args])
     assert result.exit_code == 0, result.output
     assert f"{EXAMPLE}: valid" in result.output
-    # "  <index>  GPU-<uuid>  <owner>" per GPU of the simulated 8-GPU node
-    return re.findall(r"^\s+\d+\s+GPU-\S+\s+(\S+)$", result.output, re.M)
+    # "  <index>  GPU-<uuid>  <owner>  <DRA publish mode>" per GPU of the simulated 8-GPU node
+    return re.findall(r"^\s+\d+\s+GPU-\S+\s+(\S+)\s+(\S+)$", result.output, re.M)
+
+
+def _owners(*args: str) -> list[str]:
+    return [owner for owner, _ in _check(*args)]
 
 
 @pytest.mark.parametrize(
@@ -44,3 +48,11 @@ def _owners(*args: str) -> list[str]:
 )
 def test_example_fleet_ownership(args: list[str], owners: list[str]) -> None:
     assert _owners(*args) == owners
+
+
+def test_example_fleet_publish_modes() -> None:
+    """The DRA pool carves its GPUs and shares GPU 7; elsewhere DRA GPUs are whole."""
+    assert [mode for _, mode in _check("--node-name", "a100-dra-3", "--label", "gpu-pool=dra")] == [
+        "dynamic-mig"
+    ] * 7 + ["shared"]
+    assert {mode for _, mode in _check("--node-name", "unlabelled-1")} == {"whole"}

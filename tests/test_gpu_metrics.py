@@ -54,6 +54,9 @@ class FakeMechanism:
     def registration_checks(self, node: NodeStatus) -> Sequence[RegistrationCheck]:
         return []
 
+    def gpu_details(self) -> dict[str, dict[str, object]]:
+        return {}
+
 
 @dataclass
 class Node:

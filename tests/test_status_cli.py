@@ -178,3 +178,63 @@ def _status_against_a_running_agent(root: Path) -> None:
     assert down.returncode != 0
     assert down.stderr.strip().startswith("gpu-agent: error: no agent answered at http://127.0.0.1:1/debug/state")
     assert len(down.stderr.strip().splitlines()) == 1
+
+
+def _dra(publish: dict[str, object], **rest: object) -> dict[str, object]:
+    return {"mechanism_details": {"dra": {"publish": publish, "partitions": [], "shares": [], **rest}}}
+
+
+def test_a_line_under_each_partitioned_or_shared_gpu() -> None:
+    devices = [
+        {
+            "index": 0,
+            "uuid": "GPU-aaaa",
+            "owner": "dra",
+            "health": "healthy",
+            **_dra(
+                {"state": "dynamic-mig"},
+                partitions=[
+                    {"profile": "3g.40gb", "claim": "ml/big"},
+                    {"profile": "1g.10gb", "claim": "ml/small-" + "x" * 60},
+                    {"profile": "1g.10gb", "claim": "ml/c"},
+                ],
+                free_counters={**{f"memory-slice-{i}": 0 for i in range(6)}, "memory-slice-6": 1, "memory-slice-7": 1},
+            ),
+        },
+        {
+            "index": 1,
+            "uuid": "GPU-bbbb",
+            "owner": "dra",
+            "health": "healthy",
+            **_dra(
+                {"state": "shared"},
+                shares=[{"memory_bytes": 1}, {"memory_bytes": 2}],
+                shared_memory={"allocated": "76Gi", "capacity": "81559Mi"},
+            ),
+        },
+        {
+            "index": 2,
+            "uuid": "GPU-cccc",
+            "owner": "dra",
+            "health": "healthy",
+            **_dra({"state": "changing->whole", "waiting_for": ["ml/a", "ml/b", "ml/c"]}),
+        },
+        {"index": 3, "uuid": "GPU-dddd", "owner": "dra", "health": "healthy", **_dra({"state": "whole"})},
+        {
+            "index": 4,
+            "uuid": "GPU-eeee",
+            "owner": "dra",
+            "health": "healthy",
+            **_dra({"state": "whole", "note": "shared not possible: the GPU is in MIG mode; published whole"}),
+        },
+        {"index": 5, "uuid": "GPU-ffff", "owner": "dra", "health": "healthy", "mechanism_details": {"dra": "junk"}},
+    ]
+    state = {"node": {"name": "n"}, "devices": devices}
+    rows = rows_from_state(state)
+    text = render(state, rows)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert "     dynamic-mig 2/8 slices free: 3g.40gb ml/big, 1g.10gb ml/small-xxx" in text
+    assert "     shared 2 shares, 76Gi of 81559Mi held" in text
+    assert "     changing->whole, waits for ml/a, ml/b ..." in text
+    assert "     whole: shared not possible: the GPU is in MIG mode" in text
+    assert rows[3].partitioning == "" and rows[5].partitioning == ""

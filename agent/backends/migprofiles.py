@@ -27,16 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from agent.core.inventory.model import MigPlacement, MigProfile
+from agent.core.partitioning import switches_mig_mode_live
+
 
 #: architectures (``Gpu.architecture``) whose MIG mode changes without a GPU reset: "Starting
 #: with the NVIDIA Hopper architecture, enabling MIG mode no longer requires a GPU reset"
 #: (MIG user guide, "Getting Started with MIG", "GPU Reset on Hopper+ GPUs"); Ampere needs one
-TOGGLE_WITHOUT_RESET = frozenset({"hopper", "blackwell", "rubin"})
-
-
 def toggles_without_reset(architecture: str) -> bool:
     """Whether the GPU's MIG mode can be switched while the driver keeps running (Hopper and later)."""
-    return architecture in TOGGLE_WITHOUT_RESET
+    return switches_mig_mode_live(architecture)
 
 
 @dataclass(frozen=True, slots=True)

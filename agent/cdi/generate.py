@@ -23,6 +23,8 @@ from agent.cdi.spec import ContainerEdits, Device, DeviceNode, Hook, Spec, check
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
 
 ALL_DEVICES = "all"
+#: the separator of a share key (``agent.cdi.claimenv.share_key``; that module builds on this one)
+SHARE_SEPARATOR = "-share-"
 
 
 class DriverView(Protocol):
@@ -116,11 +118,19 @@ def device_plugin_spec(kind: str, inventory: Inventory, driver: DriverView) -> G
 
 
 def claim_spec(
-    kind: str, claim_uid: str, device_ids: Sequence[str], inventory: Inventory, driver: DriverView
+    kind: str,
+    claim_uid: str,
+    device_ids: Sequence[str],
+    inventory: Inventory,
+    driver: DriverView,
+    *,
+    skip_unknown: bool = False,
 ) -> GeneratedSpec:
-    """The transient spec of one claim; ``device_ids`` are GPU or MIG UUIDs (or GPU indexes).
+    """The transient spec of one claim; ``device_ids`` are GPU or MIG UUIDs (or GPU indexes), or
+    share keys (``agent.cdi.claimenv.share_key``: one device per share of a GPU).
 
-    An ID the inventory does not know is an UnknownCdiDeviceError; a known device whose
+    An ID the inventory does not know is an UnknownCdiDeviceError (``skip_unknown``: skipped, as
+    the reconciler wants for a prepared claim whose MIG device vanished); a known device whose
     nodes are missing is skipped (the claim's other devices still get their names).
     """
     split_kind(kind)
@@ -128,7 +138,13 @@ def claim_spec(
     names: dict[str, str] = {}
     skipped: list[str] = []
     for device_id in dict.fromkeys(device_ids):
-        edits = _claimed_edits(device_id, inventory, driver)
+        try:
+            edits = _claimed_edits(device_id.partition(SHARE_SEPARATOR)[0], inventory, driver)
+        except UnknownCdiDeviceError as exc:
+            if not skip_unknown:
+                raise
+            skipped.append(f"{device_id}: claim {claim_uid}: {exc}")
+            continue
         if edits is None:
             skipped.append(_skip_reason("claimed", device_id))
             continue

@@ -88,7 +88,10 @@ def desired_state(
     for uid, value in sorted(claims.items()):
         claimed = as_claim_devices(value)
         try:
-            claim = with_env(generate.claim_spec(claim_kind, uid, claimed.devices, inventory, driver), claimed.env)
+            # a device gone from the node (a MIG instance destroyed behind the agent's back) is left
+            # out of the spec, not an error that would keep every other spec from being written
+            generated = generate.claim_spec(claim_kind, uid, claimed.devices, inventory, driver, skip_unknown=True)
+            claim = with_env(generated, claimed.env, claimed.mounts)
             name = transient_spec_file_name(claim_kind, uid)
         except CdiError as exc:
             errors.append(f"claim {uid}: {exc}")

@@ -284,7 +284,7 @@ class CdiService:
     ) -> list[str]:
         kind = self._config.claim_kind
         devices = claimed.devices
-        claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env)
+        claim = with_env(generate.claim_spec(kind, claim_uid, devices, inventory, driver), claimed.env, claimed.mounts)
         if claim.skipped or claim.spec is None:
             raise DriverDiscoveryError(f"claim {claim_uid}: {'; '.join(claim.skipped)}")
         self._writer.write(transient_spec_file_name(kind, claim_uid), claim.spec, durable=False, others=others)

@@ -9,7 +9,9 @@ from, cannot tell: no PodResources socket, say). Readable at 80 columns; ``--jso
 same as JSON for scripts.
 
 UTIL reads ``42%``, ``mig`` (MIG mode: NVML has no utilization counter), ``?`` (the newest
-reading is missing or stale: NVML failing or hung) or ``-`` (not sampled). Orphaned
+reading is missing or stale: NVML failing or hung) or ``-`` (not sampled). Under a GPU DRA
+publishes ``dynamic-mig`` or ``shared``, or one changing mode, a line says so: the MIG instances
+made for claims and the memory slices left, or the shares and their memory. Orphaned
 allocations and watchdog repairs, when there are any, follow the table.
 """
 
@@ -48,6 +50,8 @@ class StatusRow:
     mig_enabled: bool = False
     #: False: a mechanism that may hold the GPU (its owner, or the one it drains from) cannot tell
     holders_known: bool = True
+    #: what DRA's publish mode says under the row ("" for a GPU published whole, as it always was)
+    partitioning: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -64,6 +68,7 @@ class StatusRow:
             "memory_total_mib": self.memory_total_mib,
             "utilization_known": self.utilization_known,
             "utilization_reason": self.utilization_reason,
+            "partitioning": self.partitioning,
         }
 
 
@@ -94,9 +99,35 @@ def rows_from_state(state: Mapping[str, Any]) -> list[StatusRow]:
                 utilization_reason=str(util.get("reason") or ""),
                 mig_enabled=d.get("mig_enabled") is True,
                 holders_known=drains_from(str(d.get("owner", ""))) not in unknown,
+                partitioning=_partitioning((d.get("mechanism_details") or {}).get("dra")),
             )
         )
     return sorted(rows, key=lambda r: r.index)
+
+
+def _partitioning(dra: Any) -> str:
+    """One line: the GPU's DRA publish mode, its MIG partitions or shares, what is free."""
+    if not isinstance(dra, dict) or not isinstance(dra.get("publish"), dict):
+        return ""
+    publish = dra["publish"]
+    state = str(publish.get("state") or "")
+    if state.startswith("changing->"):
+        waits = [str(w) for w in publish.get("waiting_for") or ()]
+        return f"{state}, waits for {', '.join(waits[:SHOWN_HOLDERS])}" + (" ..." if len(waits) > 2 else "")
+    parts = [p for p in dra.get("partitions") or () if isinstance(p, dict)]
+    shares = [s for s in dra.get("shares") or () if isinstance(s, dict)]
+    if state == "dynamic-mig":
+        free = dra.get("free_counters") or {}
+        slices = [k for k in free if str(k).startswith("memory-slice-")]
+        left = sum(1 for k in slices if free[k])
+        held = ", ".join(f"{p.get('profile')} {p.get('claim')}" for p in parts[:SHOWN_HOLDERS])
+        more = f" +{len(parts) - SHOWN_HOLDERS}" if len(parts) > SHOWN_HOLDERS else ""
+        return f"dynamic-mig {left}/{len(slices)} slices free" + (f": {held}{more}" if parts else "")
+    if state == "shared":
+        memory = dra.get("shared_memory") or {}
+        return f"shared {len(shares)} shares, {memory.get('allocated', '0')} of {memory.get('capacity', '?')} held"
+    note = str(publish.get("note") or "")
+    return f"{state}: {note}" if note else ""
 
 
 def _number(value: Any) -> float | None:
@@ -155,6 +186,8 @@ def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
             held = f"{held} +?" if held else "?"
         held = held or "-"
         lines.append(f"{r.index:>3}  {owner[:22]:<22}  {r.health[:9]:<9}  {util:>4}  {memory:>13}  {held[:21]}")
+        if r.partitioning:
+            lines.append(_fit(f"     {r.partitioning}"))
         if r.health != "healthy" and r.cause:
             lines.append(f"     {r.cause[:75]}")
     if not rows:

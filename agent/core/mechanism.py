@@ -140,3 +140,8 @@ class Mechanism(Protocol):
     def registration_checks(self, node: NodeStatus) -> Sequence[RegistrationCheck]:
         """What it advertises against what the kubelet, the Node or the API shows; cheap, no I/O."""
         ...
+
+    def gpu_details(self) -> Mapping[str, Mapping[str, object]]:
+        """Physical GPU UUID -> JSON-ready facts the mechanism adds to the GPU's ``/debug/state``
+        entry (DRA: its publish mode, MIG partitions, shares, free counters); cheap, no I/O."""
+        ...

@@ -33,6 +33,15 @@ from typing import Protocol
 from agent.base.errors import AgentError
 from agent.core.inventory.model import MigDevice, MigPlacement
 
+#: architectures whose MIG mode switches while the driver keeps running (no GPU reset): Hopper on
+#: (NVIDIA MIG user guide, "Getting Started with MIG": "GPU Reset on Hopper+ GPUs")
+SWITCHES_MIG_MODE_LIVE = frozenset({"hopper", "blackwell", "rubin"})
+
+
+def switches_mig_mode_live(architecture: str) -> bool:
+    """Whether a GPU of this architecture can go into MIG mode (and back) without a reset."""
+    return architecture.lower() in SWITCHES_MIG_MODE_LIVE
+
 
 class PartitionErrorKind(StrEnum):
     #: the instance or the GPU is in use (NVML_ERROR_IN_USE)

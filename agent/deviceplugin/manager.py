@@ -183,6 +183,10 @@ class PluginManager:
             own_names={*plan, self._config.resource_name},
         )
 
+    def gpu_details(self) -> dict[str, dict[str, object]]:
+        """The device plugin adds nothing per GPU to ``/debug/state``."""
+        return {}
+
     def registration_checks(self, node: NodeStatus) -> list[RegistrationCheck]:
         """Per resource: our healthy devices against the kubelet's allocatable ones and the Node's count."""
         return plugin_checks(self._servers, self._kubelet_answer(), node)

@@ -27,6 +27,7 @@ from agent.core.config.schema import Config, Owner
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
+from agent.core.partitioning import MigControl, MpsControl
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
 from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
 from agent.dra.claims.prepared import PreparedClaims
@@ -43,7 +44,9 @@ from agent.dra.kubelet.healthfeed import RESEND_S, HealthFeed
 from agent.dra.kubelet.registration import RegistrationState
 from agent.dra.kubelet.registration_servicer import RegistrationServicer
 from agent.dra.kubelet.servicer import v1_servicer, v1beta1_servicer
-from agent.dra.metrics import DraMetrics
+from agent.dra.metrics import DraMetrics, PartitionCollector
+from agent.dra.modes import ModeGate
+from agent.dra.occupancy import occupancy
 from agent.kube.claims.model import ClaimSource
 
 log = structlog.get_logger("agent.dra")
@@ -125,7 +128,10 @@ class DraMechanism:
             await asyncio.sleep(self._backoff.delay(attempt))
             await self._restore()
         try:
+            # MIG instances the agent made and no claim needs go before the first claim is served
+            await self.driver.start()
             async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.driver.gate.run(), name="dra-modes")
                 tg.create_task(self.plugin.run(), name="dra-plugin")
                 tg.create_task(self.feed.run(), name="dra-health-feed")
                 tg.create_task(self.publisher.run(), name="dra-slices")
@@ -154,7 +160,22 @@ class DraMechanism:
         if not published.ok:
             return Readiness(False, f"ResourceSlices: {published.detail}")
         notes = [n for n in (own.detail, published.detail and f"ResourceSlices: {published.detail}") if n]
+        notes += self._publish_notes()
         return Readiness(True, "; ".join(notes))
+
+    def _publish_notes(self) -> list[str]:
+        """GPUs DRA owns that are not published as ``dra.publish`` wishes, and why (ready all the same)."""
+        granted = self._ownership.current
+        modes = {
+            gpu: mode
+            for gpu, mode in self.driver.gate.modes().items()
+            if granted.granted_to(gpu, Owner.DRA) and (mode.note or mode.effective is not mode.desired)
+        }
+        if not modes:
+            return []
+        first = next(iter(modes.values()))
+        more = f" (and {len(modes) - 1} more GPUs)" if len(modes) > 1 else ""
+        return [f"dra.publish: a GPU is {first.label} where {first.desired.value} is wished: {first.note}{more}"]
 
     async def _restore(self) -> None:
         try:
@@ -185,6 +206,18 @@ class DraMechanism:
 
     def advertised_gpus(self) -> frozenset[str]:
         return self.publisher.published_gpus()
+
+    def gpu_details(self) -> dict[str, dict[str, object]]:
+        """Per GPU: its publish mode, the MIG instances made for claims, the shares, what is free."""
+        gate = self.driver.gate
+        found = occupancy(
+            self.driver.inventory,
+            modes=gate.modes(),
+            devices=gate.devices_by_name(),
+            counter_sets=gate.counter_sets(),
+            claims=self.driver.prepared,
+        )
+        return {gpu: o.as_dict() for gpu, o in found.items()}
 
     def usage(self) -> Usage:
         prepared = self.driver.prepared
@@ -270,6 +303,9 @@ class DraMechanism:
                 for gpu, hs in sorted(usage.holders.items())
             },
             "checkpoint": self.driver.prepared.checkpoint.as_dict(),
+            "publish": {gpu: mode.as_dict() for gpu, mode in sorted(self.driver.gate.modes().items())},
+            "mig_instances": self.driver.instances.debug_state(),
+            "mps": self.driver.shares.debug_state(),
             "health": {
                 "streams": self.feed.streams,
                 "messages_sent": self.feed.messages_sent,
@@ -291,11 +327,16 @@ async def build_dra(
     node_name: str,
     boot_id: str | None = None,
     tuning: DraTuning = DraTuning(),
+    gate: ModeGate | None = None,
+    mig: MigControl | None = None,
+    mps: MpsControl | None = None,
 ) -> DraMechanism:
     """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
 
     A state directory that cannot be read at all leaves the mechanism not ready (it retries
-    in ``run``); a corrupt checkpoint is moved aside and rebuilt instead.
+    in ``run``); a corrupt checkpoint is moved aside and rebuilt instead. ``gate`` (each GPU's
+    publish shape) is shared with the ResourceSlice publisher; ``mig`` and ``mps`` are the
+    backend's (none: dynamic MIG and MPS fail per claim, naming why).
     """
     driver_name = config.dra.driver_name
     metrics = DraMetrics(registry)
@@ -313,6 +354,9 @@ async def build_dra(
         prepared=prepared,
         specs=specs,
         metrics=metrics,
+        gate=gate,
+        mig=mig,
+        mps=mps,
         timeouts=tuning.timeouts,
     )
     feed = HealthFeed(
@@ -320,6 +364,8 @@ async def build_dra(
         node=node,
         resend_s=tuning.health_resend_s,
         sleep=tuning.health_sleep,
+        gate=driver.gate,
+        health_uuid=driver.health_uuid,
     )
     dra_socket = config.dra_plugin_dir / DRA_SOCKET
     registration = RegistrationState(driver_name=driver_name, endpoint=dra_socket)
@@ -341,4 +387,6 @@ async def build_dra(
     )
     await mechanism._restore()  # an unreadable state directory is retried by run(), not fatal
     cdi.set_prepared_claims(functools.partial(specs_to_keep, prepared))
+    if registry is not None:
+        registry.register(PartitionCollector(mechanism.gpu_details, inventory=node.inventory))
     return mechanism

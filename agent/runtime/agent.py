@@ -28,6 +28,7 @@ from agent.core.mechanism import Mechanism, Readiness
 from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover
 from agent.core.ownership.plan import plan_rows
+from agent.core.ownership.publish import PublishState, PublishTable, compute_publish_modes
 from agent.core.ownership.table import OwnershipTable, compute_ownership
 from agent.kube.labels import NodeLabelSource, StaticLabelSource
 from agent.observe.debug.document import agent_state
@@ -59,6 +60,7 @@ class Agent:
         handover: Handover,
         observers: Observers,
         loop_lag: LoopLagProbe,
+        publish: PublishState | None = None,
     ) -> None:
         self.config_state = config_state
         self.node_name = node_name
@@ -77,6 +79,9 @@ class Agent:
         self.debug_port = 0
         #: labels read from the Node object; the config's node_labels win over them
         self.api_labels: dict[str, str] = {}
+        #: how DRA should publish each GPU (``dra.publish``); DRA decides when a change takes effect
+        self.publish = publish or PublishState()
+        self._reload_lock = asyncio.Lock()
 
     # --- views ---------------------------------------------------------------------
 
@@ -103,6 +108,16 @@ class Agent:
         return compute_ownership(
             inventory or self.inventory,
             config.ownership,
+            node_name=self.node_name,
+            node_labels=self.node_labels(config),
+            version=loaded.version,
+        )
+
+    def compute_publish_modes(self, loaded: LoadedConfig, inventory: Inventory | None = None) -> PublishTable:
+        config = loaded.config
+        return compute_publish_modes(
+            inventory or self.inventory,
+            config.dra,
             node_name=self.node_name,
             node_labels=self.node_labels(config),
             version=loaded.version,
@@ -234,11 +249,17 @@ class Agent:
         """Re-read the backend now and then; a changed inventory reaches every consumer."""
         while True:
             await asyncio.sleep(self.config_state.config.inventory_refresh_s)
+            await self.reload_inventory()
+
+    async def reload_inventory(self) -> None:
+        """Re-read the backend now (the periodic refresh, and DRA after it made or destroyed a MIG
+        instance); reads are one at a time, so an older answer never replaces a newer one."""
+        async with self._reload_lock:
             try:
                 inventory = await self.backend.load()
             except AgentError as exc:
                 log.warning("inventory reload failed; keeping the last inventory", error=str(exc))
-                continue
+                return
             if inventory != self.inventory:
                 self.apply_inventory(inventory)
 
@@ -285,3 +306,16 @@ class Agent:
             log.info("desired ownership changed", reason=reason, desired=counts)
         self.handover.set_long_wait(self.config_state.config.ownership.handover_warning_s)
         self.handover.set_desired(desired)
+        publish = self.compute_publish_modes(self.config_state.loaded, inventory)
+        for warning in publish.inert:
+            if warning not in self.publish.current.inert:
+                log.warning("dra.publish override is inert", detail=warning)
+        if self.publish.update(publish):
+            log.info("desired DRA publish modes changed", reason=reason, modes=_counts(publish))
+
+
+def _counts(table: PublishTable) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for mode in table.modes.values():
+        out[mode.value] = out.get(mode.value, 0) + 1
+    return out

@@ -28,7 +28,10 @@ from agent.core.mechanism import Mechanism
 from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover, Observed
 from agent.core.ownership.handover_events import HandoverEvents
+from agent.core.ownership.publish import PublishState
+from agent.core.partitioning import MpsControl, NoMps
 from agent.dra.mechanism import build_dra
+from agent.dra.modes import ModeGate
 from agent.dra.slices.noapi import NoApiPublisher
 from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.claims.model import ClaimSource
@@ -57,6 +60,10 @@ async def build_rest(
     events: EventRecorder | None = None
     publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
+    mig, mps = core.backend.mig, core.backend.mps
+    publish = PublishState()
+    # each GPU's publish shape: one decision the slices, claim preparation and health all read
+    gate = ModeGate(inventory=core.node.inventory, publish=publish, mps_unavailable=mps_reason(mps))
     if kube is not None:
         resources = ResourceApi(kube)
         publisher = KubeSlicePublisher(
@@ -66,6 +73,7 @@ async def build_rest(
             node=core.node,
             registry=registry,
             resource_api=resources,
+            gate=gate,
         )
         claims = KubeClaimSource(client=kube, resource_api=resources)
         events = EventRecorder(client=kube, node_name=node_name, registry=registry)
@@ -78,6 +86,9 @@ async def build_rest(
         cdi=core.cdi,
         registry=registry,
         node_name=node_name,
+        gate=gate,
+        mig=mig,
+        mps=mps,
     )
     mechanisms: dict[str, Mechanism] = {"device-plugin": core.plugin, "dra": dra}
     observers = build_observers(
@@ -104,8 +115,11 @@ async def build_rest(
         labels=labels,
         events=events,
         observers=observers,
+        publish=publish,
     )
+    dra.driver.set_inventory_reload(agent.reload_inventory)
     agent.handover.set_desired(agent.compute_ownership(core.loaded))
+    publish.update(agent.compute_publish_modes(core.loaded))
     log.info(
         "ownership computed",
         node_rule=core.node.ownership.current.node_rule,
@@ -156,6 +170,7 @@ def build_agent(
     labels: NodeLabelSource | StaticLabelSource | None = None,
     events: EventSink | None = None,
     observers: Observers | None = None,
+    publish: PublishState | None = None,
 ) -> Agent:
     """The agent with its handover, observers, loop-lag probe and scrape-time collectors."""
     handover = Handover(
@@ -180,6 +195,7 @@ def build_agent(
         handover=handover,
         observers=observers,
         loop_lag=loop_lag,
+        publish=publish,
     )
     registry.register(
         AgentCollector(
@@ -197,6 +213,11 @@ def build_agent(
         )
     )
     return agent
+
+
+def mps_reason(mps: MpsControl) -> str:
+    """Why shares cannot run under MPS on this node ("" when they can)."""
+    return mps.reason if isinstance(mps, NoMps) else ""
 
 
 def observe(mechanism: Mechanism) -> Observed:

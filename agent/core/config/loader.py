@@ -286,6 +286,28 @@ def check_semantics(config: Config) -> None:
     for i, rule in enumerate(config.ownership.nodes):
         if not rule.match.names and not rule.match.labels:
             raise ConfigError(f"ownership.nodes[{i}].match: name node names or labels to match")
+    _check_dra(config)
+
+
+#: the largest memory step or default share a config may name (1 TiB; GPUs hold far less)
+MAX_SHARE_MIB = 1024 * 1024
+
+
+def _check_dra(config: Config) -> None:
+    for i, publish_rule in enumerate(config.dra.publish.nodes):
+        if not publish_rule.match.names and not publish_rule.match.labels:
+            raise ConfigError(f"dra.publish.nodes[{i}].match: name node names or labels to match")
+    sharing = config.dra.sharing
+    for name in ("memory_step_mib", "default_memory_mib"):
+        value = getattr(sharing, name)
+        if not 1 <= value <= MAX_SHARE_MIB:
+            raise ConfigError(f"dra.sharing.{name}: must be between 1 and {MAX_SHARE_MIB}, got {value!r}")
+    if sharing.default_memory_mib % sharing.memory_step_mib:
+        # the apiserver's rule for a requestPolicy: (default - min) is a multiple of the step
+        raise ConfigError(
+            f"dra.sharing.default_memory_mib: must be a multiple of memory_step_mib "
+            f"({sharing.memory_step_mib}), got {sharing.default_memory_mib}"
+        )
 
 
 #: the shortest sampling and checking intervals: below them the agent would mostly poll itself

@@ -174,12 +174,75 @@ class CdiConfig:
     hook_path: Path | None = None
 
 
+class PublishMode(StrEnum):
+    """How DRA publishes a GPU it owns (``dra.publish``)."""
+
+    #: one device for the GPU (or, on a GPU in MIG mode, one per MIG device that exists)
+    WHOLE = "whole"
+    #: the whole GPU plus one device per MIG profile placement, sharing counters; the MIG
+    #: instance is made when a claim is prepared and destroyed when it is unprepared
+    DYNAMIC_MIG = "dynamic-mig"
+    #: one device with ``allowMultipleAllocations`` and a ``memory`` capacity claims take shares of
+    SHARED = "shared"
+
+
+@dataclass(frozen=True, slots=True)
+class PublishRule:
+    """``dra.publish.nodes[i]``: matched like ``ownership.nodes`` (first match wins)."""
+
+    match: NodeMatch = NodeMatch()
+    default: PublishMode | None = None
+    # by GPU UUID or index (as a string)
+    gpus: dict[str, PublishMode] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PublishConfig:
+    """``dra.publish``: a mode (``dra.publish: shared``), or a default with per-node and per-GPU rules."""
+
+    default: PublishMode = PublishMode.WHOLE
+    nodes: tuple[PublishRule, ...] = ()
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> PublishConfig:
+        if isinstance(value, PublishConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(default=PublishMode(value))
+            except ValueError:
+                modes = " | ".join(repr(m.value) for m in PublishMode)
+                raise ConfigError(f"{where}: expected one of {modes} or a mapping, got {value!r}") from None
+        from agent.core.config.loader import convert_dataclass  # the loader imports this module
+
+        publish: PublishConfig = convert_dataclass(cls, value, where)
+        return publish
+
+
+@dataclass(frozen=True, slots=True)
+class SharingConfig:
+    """GPUs published ``shared`` (``dra.publish``): the memory capacity claims ask for, and MPS."""
+
+    # run one MPS control daemon per shared GPU and give each share a memory limit and a thread
+    # percentage from the memory it was allocated; off: memory is only accounted by the scheduler
+    # and the GPU's time is sliced by the driver
+    mps: bool = False
+    # what a claim that does not ask for memory gets (the capacity's requestPolicy default)
+    default_memory_mib: int = 8192
+    # the granularity of a share: requests are rounded up to a multiple of this (and at least one)
+    memory_step_mib: int = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class DraConfig:
     """The DRA kubelet plugin and its ResourceSlices (agent/dra); it serves the GPUs owned by ``dra``."""
 
     # spec.driver of the ResourceSlices, the plugin's registration name and its data directory
     driver_name: str = DEFAULT_DRA_DRIVER
+    # how each DRA-owned GPU is published; live: a GPU whose mode changes while claims hold it
+    # waits for them (unpublished meanwhile), as a handover does
+    publish: PublishConfig = PublishConfig()
+    sharing: SharingConfig = SharingConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +328,8 @@ class Config:
         return self.paths.state_dir or self.dra_plugin_dir
 
 
-#: fields that only take effect when the agent starts; a live reload keeps their old values
+#: fields that only take effect when the agent starts (dotted: a field of a section); a live
+#: reload keeps their old values
 RESTART_ONLY_FIELDS = (
     "backend",
     "preset",
@@ -273,6 +337,6 @@ RESTART_ONLY_FIELDS = (
     "debug_addr",
     "kubeconfig",
     "paths",
-    "dra",
+    "dra.driver_name",
     "cdi",
 )

@@ -37,11 +37,23 @@ log = structlog.get_logger("agent.config")
 
 def keep_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
     """``new`` with the fields that need a restart taken from ``old``; names those that differed."""
-    changed = [name for name in RESTART_ONLY_FIELDS if getattr(old, name) != getattr(new, name)]
-    if not changed:
-        return new, []
-    kept: dict[str, Any] = {name: getattr(old, name) for name in changed}
-    return dataclasses.replace(new, **kept), changed
+    changed = [name for name in RESTART_ONLY_FIELDS if _field(old, name) != _field(new, name)]
+    kept: Any = new
+    for name in changed:
+        kept = _replaced(kept, name.split("."), _field(old, name))
+    return kept, changed
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _replaced(config: Any, path: list[str], value: Any) -> Any:
+    """``config`` with the field at ``path`` (a section's field for a dotted name) set to ``value``."""
+    head, *rest = path
+    return dataclasses.replace(config, **{head: _replaced(getattr(config, head), rest, value) if rest else value})
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@
 Per GPU: the owner it is granted now, the owner the new config wants, the rule that decided,
 and — when the owner would change — what the move would wait for: the pods or claims holding
 the GPU, and an answer from the mechanism it leaves when that one cannot tell who uses its GPUs
-(the handover never takes an unknown user for idle, so without the answer it waits forever). The current
+(the handover never takes an unknown user for idle, so without the answer it waits forever);
+for a GPU DRA owns, the publish mode (``dra.publish``) it has and would get. The current
 state comes from a running agent's ``/debug/state`` when one answers (its inventory, labels,
 grants and holders); otherwise from the local inventory, with the current grant unknown.
 The live agent logs the same rows before it applies a reload (:func:`plan_rows` is shared).
@@ -18,6 +19,7 @@ from typing import Any
 
 from agent.core.config.schema import Config
 from agent.core.inventory.model import Gpu, Inventory, MigDevice
+from agent.core.ownership.publish import PublishTable, compute_publish_modes
 from agent.core.ownership.table import OwnershipTable, compute_ownership
 
 UNKNOWN = "unknown"
@@ -34,6 +36,9 @@ class PlanRow:
     #: what the move waits for, when the owner would change: holders ("pod ns/name", "claim
     #: ns/name"), and an answer from the mechanism it leaves when that one cannot tell
     waits_for: tuple[str, ...] = ()
+    #: DRA publish mode: what the GPU is published as now ("" unknown) and what the config wants
+    publish_now: str = ""
+    publish: str = ""
 
     @property
     def moves(self) -> bool:
@@ -49,6 +54,8 @@ class PlanRow:
             "rule": self.rule,
             "moves": self.moves,
             "waits_for": list(self.waits_for),
+            "publish_now": self.publish_now or None,
+            "publish": self.publish or None,
         }
 
 
@@ -59,10 +66,13 @@ def plan_rows(
     current: Mapping[str, str],
     holders: Mapping[str, Sequence[str]],
     unknown: Mapping[str, str] | None = None,
+    publish: PublishTable | None = None,
+    publish_now: Mapping[str, str] | None = None,
 ) -> list[PlanRow]:
     """Rows for ``desired`` against ``current`` (GPU -> owner state) and ``holders`` (GPU -> users).
 
-    ``unknown``: mechanism -> why it cannot tell who uses its GPUs now (PodResources missing, say).
+    ``unknown``: mechanism -> why it cannot tell who uses its GPUs now (PodResources missing, say);
+    with ``publish``, the DRA publish mode each GPU would get (and has, from ``publish_now``).
     """
     rows = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
@@ -74,7 +84,9 @@ def plan_rows(
             source = drains_from(now)
             if source is not None and source != want and unknown and source in unknown:
                 waits += (f"an answer from {source} on who uses it: {unknown[source] or 'no answer yet'}",)
-        rows.append(PlanRow(gpu.index, gpu.uuid, now, want, desired.rules.get(gpu.uuid, ""), waits))
+        mode = publish.mode_of(gpu.uuid).value if publish is not None else ""
+        mode_now = (publish_now or {}).get(gpu.uuid, "")
+        rows.append(PlanRow(gpu.index, gpu.uuid, now, want, desired.rules.get(gpu.uuid, ""), waits, mode_now, mode))
     return rows
 
 
@@ -129,6 +141,8 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         if r.waits_for:
             shown = ", ".join(r.waits_for[:5]) + (f" and {len(r.waits_for) - 5} more" if len(r.waits_for) > 5 else "")
             lines.extend(textwrap.wrap(f"waits for {shown}", 80, initial_indent=" " * 6, subsequent_indent=" " * 8))
+        if r.desired == "dra" and r.publish and (r.publish != "whole" or r.publish_now not in ("", "whole")):
+            lines.append(f"      DRA publishes it {_publish_change(r.publish_now, r.publish)}")
     moving = [r for r in rows if r.moves]
     if any(r.current == UNKNOWN for r in rows):
         lines.append("current owners unknown: start the agent (or pass --debug-addr) to see what would move")
@@ -136,6 +150,14 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         lines.append(f"{len(moving)} of {len(rows)} GPUs would move" + (" (marked *)" if moving else ""))
     lines.extend(f"warning: {w}" for w in warnings)
     return "\n".join(lines)
+
+
+def _publish_change(now: str, want: str) -> str:
+    if now == f"changing->{want}":
+        return f"{want}, after the claims that hold it now"
+    if now and now != want:
+        return f"{now} -> {want}" + (", after the claims that hold it now" if now != "whole" else "")
+    return want
 
 
 def inventory_from_state(state: Mapping[str, Any]) -> Inventory:
@@ -188,6 +210,17 @@ def holders_from_state(state: Mapping[str, Any]) -> dict[str, list[str]]:
     return out
 
 
+def publish_from_state(state: Mapping[str, Any]) -> dict[str, str]:
+    """GPU -> the DRA publish state a running agent shows (``whole``, ``changing->shared``, ...)."""
+    out: dict[str, str] = {}
+    for d in state["devices"]:
+        dra = (d.get("mechanism_details") or {}).get("dra") or {}
+        publish = dra.get("publish") if isinstance(dra, dict) else None
+        if isinstance(publish, dict) and publish.get("state"):
+            out[str(d["uuid"])] = str(publish["state"])
+    return out
+
+
 def plan_against_state(config: Config, state: Mapping[str, Any], *, labels: Mapping[str, str]) -> Plan:
     """The plan for ``config`` on the node a running agent describes."""
     node = state.get("node") or {}
@@ -196,14 +229,23 @@ def plan_against_state(config: Config, state: Mapping[str, Any], *, labels: Mapp
     name = str(node.get("name", ""))
     desired = compute_ownership(inventory, config.ownership, node_name=name, node_labels=merged, version="plan")
     current = {str(d["uuid"]): str(d["owner"]) for d in state["devices"]}
-    unknown = unknown_usage(state.get("mechanisms") or {})
-    rows = plan_rows(inventory, desired, current=current, holders=holders_from_state(state), unknown=unknown)
+    publish = compute_publish_modes(inventory, config.dra, node_name=name, node_labels=merged, version="plan")
+    rows = plan_rows(
+        inventory,
+        desired,
+        current=current,
+        holders=holders_from_state(state),
+        unknown=unknown_usage(state.get("mechanisms") or {}),
+        publish=publish,
+        publish_now=publish_from_state(state),
+    )
     return Plan(name, "current state from the running agent", tuple(rows), desired.inert_overrides)
 
 
 def plan_against_inventory(config: Config, inventory: Inventory, *, node_name: str, labels: Mapping[str, str]) -> Plan:
     """The plan without a running agent: the desired owners only; current grants are unknown."""
     desired = compute_ownership(inventory, config.ownership, node_name=node_name, node_labels=labels, version="plan")
-    rows = plan_rows(inventory, desired, current={}, holders={})
+    publish = compute_publish_modes(inventory, config.dra, node_name=node_name, node_labels=labels, version="plan")
+    rows = plan_rows(inventory, desired, current={}, holders={}, publish=publish)
     source = f"no running agent; local {inventory.backend or 'no'} inventory, current owners unknown"
     return Plan(node_name, source, tuple(rows), desired.inert_overrides)

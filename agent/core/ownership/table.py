@@ -16,11 +16,12 @@ always belong to their parent's owner.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from agent.base.feeds import Broadcast
-from agent.core.config.schema import NodeRule, Owner, OwnershipConfig
+from agent.core.config.schema import NodeMatch, NodeRule, Owner, OwnershipConfig
 from agent.core.inventory.model import Inventory
 
 
@@ -95,16 +96,45 @@ class OwnershipTable:
         return len(self.draining)
 
 
-def node_rule_for(
-    config: OwnershipConfig, node_name: str, node_labels: Mapping[str, str]
-) -> tuple[int, NodeRule] | None:
-    """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
-    for i, rule in enumerate(config.nodes):
+class _Matched(Protocol):
+    @property
+    def match(self) -> NodeMatch: ...
+
+
+R = TypeVar("R", bound=_Matched)
+V = TypeVar("V")
+V_co = TypeVar("V_co", covariant=True)
+
+
+class _Rule(Protocol[V_co]):
+    """A node rule: ``ownership.nodes[i]`` or ``dra.publish.nodes[i]``."""
+
+    @property
+    def match(self) -> NodeMatch: ...
+
+    @property
+    def default(self) -> V_co | None: ...
+
+    @property
+    def gpus(self) -> Mapping[str, V_co]: ...
+
+
+def first_match(rules: Sequence[R], node_name: str, node_labels: Mapping[str, str]) -> tuple[int, R] | None:
+    """The first rule matching this node, by name or by all its labels: the one matching rule of
+    ``ownership.nodes`` and of ``dra.publish.nodes``."""
+    for i, rule in enumerate(rules):
         by_name = bool(rule.match.names) and node_name in rule.match.names
         by_labels = bool(rule.match.labels) and all(node_labels.get(k) == v for k, v in rule.match.labels.items())
         if by_name or by_labels:
             return i, rule
     return None
+
+
+def node_rule_for(
+    config: OwnershipConfig, node_name: str, node_labels: Mapping[str, str]
+) -> tuple[int, NodeRule] | None:
+    """The first ``ownership.nodes`` rule matching this node (by name or by all its labels)."""
+    return first_match(config.nodes, node_name, node_labels)
 
 
 def compute_ownership(
@@ -122,33 +152,18 @@ def compute_ownership(
     and listed in ``inert_overrides``, and the rest of the config applies. Overrides by index
     follow whatever GPU holds that index now; :mod:`agent.core.ownership.handover` notices when that changes.
     """
-    default = config.default
-    default_rule = "cluster default"
-    overrides: Mapping[str, Owner] = {}
-    rule_label = "cluster default"
-    matched = node_rule_for(config, node_name, node_labels)
-    if matched is not None:
-        index, rule = matched
-        rule_label = f"ownership.nodes[{index}]"
-        if rule.default is not None:
-            default, default_rule = rule.default, f"{rule_label}.default"
-        overrides = rule.gpus
-
-    owners: dict[str, Owner] = {gpu.uuid: default for gpu in inventory.gpus}
-    rules: dict[str, str] = {gpu.uuid: default_rule for gpu in inventory.gpus}
-    inert: list[str] = []
-    by_index: set[str] = set()
-    for key, owner in overrides.items():
-        gpu = inventory.find(key)
-        where = f"{rule_label}.gpus[{key!r}]"
-        if gpu is None:
-            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
-            continue
-        owners[gpu.uuid] = owner
-        rules[gpu.uuid] = where
-        if key.isdecimal():
-            by_index.add(where)
-
+    choice = per_gpu(
+        inventory,
+        config.nodes,
+        config.default,
+        section="ownership",
+        default_label="cluster default",
+        node_name=node_name,
+        node_labels=node_labels,
+    )
+    rule_label = choice.node_rule
+    owners: dict[str, Owner] = dict(choice.values)
+    rules = choice.rules
     parents: dict[str, str] = {}
     for gpu in inventory.gpus:
         for mig in gpu.mig_devices:
@@ -160,9 +175,61 @@ def compute_ownership(
         parents=parents,
         node_rule=rule_label,
         rules=rules,
-        index_overrides={where: uuid for uuid, where in rules.items() if where in by_index},
-        inert_overrides=tuple(inert),
+        index_overrides={where: uuid for uuid, where in rules.items() if where in choice.by_index},
+        inert_overrides=choice.inert,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class PerGpu(Generic[V]):
+    """One value per GPU of the node, and the rule that chose each."""
+
+    values: dict[str, V]
+    rules: dict[str, str]
+    #: the node rule that matched ("ownership.nodes[2]"), or the section's default label
+    node_rule: str
+    #: per-GPU entries naming no GPU of the node, with why they are inert
+    inert: tuple[str, ...]
+    #: the rules of entries given by index (they follow whatever GPU holds the index)
+    by_index: frozenset[str]
+
+
+def per_gpu(
+    inventory: Inventory,
+    rules_: Sequence[_Rule[V]],
+    default: V,
+    *,
+    section: str,
+    default_label: str,
+    node_name: str,
+    node_labels: Mapping[str, str],
+) -> PerGpu[V]:
+    """The value of each GPU: ``default`` (the section's), then the first rule matching the node
+    (its default), then that rule's per-GPU entries by UUID or index. An entry that names no GPU of
+    this node is inert, not an error. Ownership and ``dra.publish`` both choose this way."""
+    default_rule = rule_label = default_label
+    entries: Mapping[str, V] = {}
+    matched = first_match(rules_, node_name, node_labels)
+    if matched is not None:
+        index, rule = matched
+        rule_label = f"{section}.nodes[{index}]"
+        if rule.default is not None:
+            default, default_rule = rule.default, f"{rule_label}.default"
+        entries = rule.gpus
+    values = {gpu.uuid: default for gpu in inventory.gpus}
+    rules = {gpu.uuid: default_rule for gpu in inventory.gpus}
+    inert: list[str] = []
+    by_index: set[str] = set()
+    for key, value in entries.items():
+        gpu = inventory.find(key)
+        where = f"{rule_label}.gpus[{key!r}]"
+        if gpu is None:
+            inert.append(f"{where}: no GPU with that UUID or index on node {node_name!r}; inert until one appears")
+            continue
+        values[gpu.uuid], rules[gpu.uuid] = value, where
+        if key.isdecimal():
+            by_index.add(where)
+    return PerGpu(values, rules, rule_label, tuple(inert), frozenset(by_index))
 
 
 class OwnershipState:

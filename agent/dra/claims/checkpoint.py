@@ -2,9 +2,18 @@
 
 File ``<state dir>/checkpoint.json``::
 
-    {"kind": "GpuNodeAgentDraCheckpoint", "version": 1,
+    {"kind": "GpuNodeAgentDraCheckpoint", "version": 2,
      "checksum": "sha256:<hex of the canonical data>",
-     "data": {"bootID": "...", "writtenAt": "...", "claims": [<claim>, ...]}}
+     "data": {"bootID": "...", "writtenAt": "...", "claims": [<claim>, ...],
+              "instances": [<MIG instance the agent made or is making>, ...]}}
+
+Version 2 added what dynamic MIG and shared GPUs need: per device the MIG placement and profile
+of an instance-backed device, the memory a share was allocated and its MPS mounts; and the
+``instances`` list, the record of every MIG instance the agent made. An instance is recorded
+(``uuid`` null) *before* it is created and completed once it exists, so a restart finds every
+instance it made, even one whose creation a crash interrupted, and destroys those no prepared
+claim needs; an instance not in this list is never touched. A version 1 file still loads (no
+instances, no partitions, no shares).
 
 The checksum covers ``data`` in canonical JSON (sorted keys, no spaces, UTF-8), so a file
 cut short or edited by hand is detected. Writes are durable with one ``fdatasync``
@@ -26,11 +35,13 @@ All methods block (file I/O); the driver calls them through ``asyncio.to_thread`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import secrets
 import stat
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,11 +54,12 @@ from agent.base.atomicfile import temp_target
 from agent.base.errors import AgentError, StartupError
 from agent.base.slotfile import SUFFIX as SLOTS_SUFFIX
 from agent.base.slotfile import SlotFile
+from agent.core.inventory.model import MigPlacement
 
 log = structlog.get_logger("agent.dra")
 
 KIND = "GpuNodeAgentDraCheckpoint"
-VERSION = 1
+VERSION = 2
 FILE_NAME = "checkpoint.json"
 MAX_BYTES = 32 * 1024 * 1024
 FILE_MODE = 0o600
@@ -91,13 +103,46 @@ class PreparedDevice:
     requests: tuple[str, ...]
     share_id: str | None
     cdi_ids: tuple[str, ...]
-    #: the environment the claim's config gave this device (the config applied)
+    #: the environment the claim's config gave this device (the config applied), and a share's MPS variables
     env: Mapping[str, str] = field(default_factory=dict)
     admin_access: bool = False
+    #: an instance-backed device (dynamic MIG): the GPU instance's placement and profile ID
+    placement: MigPlacement | None = None
+    profile_id: int | None = None
+    #: a share of a shared GPU: the memory it was allocated (bytes), and whether it runs under MPS
+    share_memory: int | None = None
+    mps: bool = False
+    #: (host path, container path) bind mounts of the device (a share's MPS pipe and log directories)
+    mounts: tuple[tuple[str, str], ...] = ()
 
     @property
     def is_mig(self) -> bool:
         return self.uuid != self.gpu_uuid
+
+    @property
+    def is_share(self) -> bool:
+        return self.share_memory is not None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedInstance:
+    """A MIG instance the agent made (or is making) for a claim.
+
+    Recorded before the instance is created, with ``uuid`` None, and completed once it exists; so
+    a restart knows every instance it made, and only those.
+    """
+
+    gpu_uuid: str
+    profile_id: int
+    placement: MigPlacement
+    claim_uid: str
+    uuid: str | None = None
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+
+    @property
+    def created(self) -> bool:
+        return self.uuid is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +153,9 @@ class PreparedClaim:
     devices: tuple[PreparedDevice, ...]
     #: when it was first prepared (ISO 8601 UTC)
     prepared_at: str
-    #: False when rebuilt from a CDI spec after the checkpoint was lost: the claim's name and
-    #: requests are unknown until the kubelet prepares it again (then it is completed)
+    #: False when the stored answer cannot be trusted until the kubelet prepares the claim again
+    #: (then it is completed): rebuilt from a CDI spec after the checkpoint was lost (name and
+    #: requests unknown), or left with some MIG instances destroyed by an unprepare that failed
     complete: bool = True
 
 
@@ -122,6 +168,7 @@ class Loaded:
     #: why the file was not usable (status "corrupt"), and where it was moved
     problem: str = ""
     moved_to: Path | None = None
+    instances: tuple[CreatedInstance, ...] = ()
 
 
 # --- encoding ------------------------------------------------------------------------------
@@ -135,6 +182,10 @@ def _checksum(data: Any) -> str:
     return "sha256:" + hashlib.sha256(_canonical(data)).hexdigest()
 
 
+def _placement_dict(placement: MigPlacement | None) -> dict[str, int] | None:
+    return None if placement is None else {"start": placement.start, "size": placement.size}
+
+
 def _device_dict(device: PreparedDevice) -> dict[str, Any]:
     return {
         "pool": device.pool,
@@ -146,6 +197,23 @@ def _device_dict(device: PreparedDevice) -> dict[str, Any]:
         "cdiDeviceIDs": list(device.cdi_ids),
         "env": dict(device.env),
         "adminAccess": device.admin_access,
+        "placement": _placement_dict(device.placement),
+        "profileID": device.profile_id,
+        "shareMemory": device.share_memory,
+        "mps": device.mps,
+        "mounts": [{"hostPath": host, "containerPath": container} for host, container in device.mounts],
+    }
+
+
+def _instance_dict(instance: CreatedInstance) -> dict[str, Any]:
+    return {
+        "gpuUUID": instance.gpu_uuid,
+        "profileID": instance.profile_id,
+        "placement": _placement_dict(instance.placement),
+        "claimUID": instance.claim_uid,
+        "uuid": instance.uuid,
+        "gpuInstanceID": instance.gpu_instance_id,
+        "computeInstanceID": instance.compute_instance_id,
     }
 
 
@@ -160,11 +228,22 @@ def _claim_dict(claim: PreparedClaim) -> dict[str, Any]:
     }
 
 
-def encode(claims: Iterable[PreparedClaim], *, boot_id: str, written_at: str) -> bytes:
+def _instance_key(instance: CreatedInstance) -> tuple[str, int, str]:
+    return (instance.gpu_uuid, instance.placement.start, instance.claim_uid)
+
+
+def encode(
+    claims: Iterable[PreparedClaim],
+    *,
+    boot_id: str,
+    written_at: str,
+    instances: Iterable[CreatedInstance] = (),
+) -> bytes:
     data = {
         "bootID": boot_id,
         "writtenAt": written_at,
         "claims": [_claim_dict(c) for c in sorted(claims, key=lambda c: c.uid)],
+        "instances": [_instance_dict(i) for i in sorted(instances, key=_instance_key)],
     }
     document = {"kind": KIND, "version": VERSION, "checksum": _checksum(data), "data": data}
     return json.dumps(document, indent=1, sort_keys=True, ensure_ascii=False).encode() + b"\n"
@@ -186,9 +265,16 @@ class _Reader:
 
     def get(self, key: str, kind: type | tuple[type, ...]) -> Any:
         item = self.value[key]
-        if not isinstance(item, kind):  # the schema has no int fields, so bool-is-int cannot slip in
+        if not isinstance(item, kind) or (isinstance(item, bool) and bool not in _types(kind)):
             raise _Unusable(f"{self.where}.{key}: wrong type {type(item).__name__}")
         return item
+
+    def count(self, key: str, *, optional: bool = False) -> int | None:
+        """A non-negative int (bool is not one); None only when ``optional`` and null."""
+        item = self.get(key, (int, type(None)) if optional else int)
+        if item is not None and item < 0:
+            raise _Unusable(f"{self.where}.{key}: negative")
+        return typing.cast(int | None, item)
 
     def strings(self, key: str) -> tuple[str, ...]:
         items = self.get(key, list)
@@ -197,16 +283,35 @@ class _Reader:
         return tuple(items)
 
 
-_DEVICE_FIELDS = ("pool", "device", "uuid", "gpuUUID", "requests", "shareID", "cdiDeviceIDs", "env", "adminAccess")
+def _types(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+_DEVICE_FIELDS_V1 = ("pool", "device", "uuid", "gpuUUID", "requests", "shareID", "cdiDeviceIDs", "env", "adminAccess")
+_DEVICE_FIELDS = (*_DEVICE_FIELDS_V1, "placement", "profileID", "shareMemory", "mps", "mounts")
 _CLAIM_FIELDS = ("namespace", "name", "uid", "preparedAt", "complete", "devices")
+_INSTANCE_FIELDS = ("gpuUUID", "profileID", "placement", "claimUID", "uuid", "gpuInstanceID", "computeInstanceID")
+#: a placement's slices: far beyond any GPU's 8
+_MAX_SLICES = 64
 
 
-def _device(value: Any, where: str) -> PreparedDevice:
-    r = _Reader(value, where, _DEVICE_FIELDS)
+def _placement(value: Any, where: str, *, optional: bool) -> MigPlacement | None:
+    if value is None and optional:
+        return None
+    r = _Reader(value, where, ("start", "size"))
+    start, size = r.count("start"), r.count("size")
+    assert start is not None and size is not None
+    if size < 1 or start + size > _MAX_SLICES:
+        raise _Unusable(f"{where}: not a placement of a GPU")
+    return MigPlacement(start, size)
+
+
+def _device(value: Any, where: str, version: int) -> PreparedDevice:
+    r = _Reader(value, where, _DEVICE_FIELDS if version >= 2 else _DEVICE_FIELDS_V1)
     env = r.get("env", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise _Unusable(f"{where}.env: expected strings")
-    return PreparedDevice(
+    device = PreparedDevice(
         pool=r.get("pool", str),
         name=r.get("device", str),
         uuid=r.get("uuid", str),
@@ -217,9 +322,23 @@ def _device(value: Any, where: str) -> PreparedDevice:
         env=env,
         admin_access=r.get("adminAccess", bool),
     )
+    if version < 2:
+        return device
+    mounts = []
+    for i, mount in enumerate(r.get("mounts", list)):
+        m = _Reader(mount, f"{where}.mounts[{i}]", ("hostPath", "containerPath"))
+        mounts.append((m.get("hostPath", str), m.get("containerPath", str)))
+    return dataclasses.replace(
+        device,
+        placement=_placement(r.get("placement", (dict, type(None))), f"{where}.placement", optional=True),
+        profile_id=r.count("profileID", optional=True),
+        share_memory=r.count("shareMemory", optional=True),
+        mps=r.get("mps", bool),
+        mounts=tuple(mounts),
+    )
 
 
-def _claim(value: Any, where: str) -> PreparedClaim:
+def _claim(value: Any, where: str, version: int) -> PreparedClaim:
     r = _Reader(value, where, _CLAIM_FIELDS)
     devices = r.get("devices", list)
     return PreparedClaim(
@@ -228,12 +347,41 @@ def _claim(value: Any, where: str) -> PreparedClaim:
         uid=r.get("uid", str),
         prepared_at=r.get("preparedAt", str),
         complete=r.get("complete", bool),
-        devices=tuple(_device(d, f"{where}.devices[{i}]") for i, d in enumerate(devices)),
+        devices=tuple(_device(d, f"{where}.devices[{i}]", version) for i, d in enumerate(devices)),
     )
 
 
-def decode(raw: bytes) -> tuple[dict[str, PreparedClaim], str, str]:
-    """(claims by UID, boot ID, written at); raises _Unusable with the reason."""
+def _instance(value: Any, where: str) -> CreatedInstance:
+    r = _Reader(value, where, _INSTANCE_FIELDS)
+    placement = _placement(r.get("placement", dict), f"{where}.placement", optional=False)
+    profile_id = r.count("profileID")
+    assert placement is not None and profile_id is not None
+    uuid = r.get("uuid", (str, type(None)))
+    gi, ci = r.count("gpuInstanceID", optional=True), r.count("computeInstanceID", optional=True)
+    if (uuid is None) != (gi is None) or (uuid is None) != (ci is None):
+        raise _Unusable(f"{where}: uuid and instance IDs are set together or not at all")
+    return CreatedInstance(
+        gpu_uuid=r.get("gpuUUID", str),
+        profile_id=profile_id,
+        placement=placement,
+        claim_uid=r.get("claimUID", str),
+        uuid=uuid,
+        gpu_instance_id=gi,
+        compute_instance_id=ci,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    claims: dict[str, PreparedClaim]
+    boot_id: str
+    written_at: str
+    instances: tuple[CreatedInstance, ...] = ()
+    version: int = VERSION
+
+
+def decode(raw: bytes) -> Decoded:
+    """The checkpoint's content; raises _Unusable with the reason."""
     try:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -249,14 +397,25 @@ def decode(raw: bytes) -> tuple[dict[str, PreparedClaim], str, str]:
     data = top.get("data", dict)
     if top.get("checksum", str) != _checksum(data):
         raise _Unusable("checksum mismatch (the file was changed or cut short)")
-    body = _Reader(data, "data", ("bootID", "writtenAt", "claims"))
+    fields = ("bootID", "writtenAt", "claims", "instances") if version >= 2 else ("bootID", "writtenAt", "claims")
+    body = _Reader(data, "data", fields)
     claims: dict[str, PreparedClaim] = {}
     for i, value in enumerate(body.get("claims", list)):
-        claim = _claim(value, f"data.claims[{i}]")
+        claim = _claim(value, f"data.claims[{i}]", version)
         if claim.uid in claims:
             raise _Unusable(f"data.claims[{i}]: claim {claim.uid!r} listed twice")
         claims[claim.uid] = claim
-    return claims, body.get("bootID", str), body.get("writtenAt", str)
+    instances: list[CreatedInstance] = []
+    if version >= 2:
+        seen: set[tuple[str, int]] = set()
+        for i, value in enumerate(body.get("instances", list)):
+            instance = _instance(value, f"data.instances[{i}]")
+            key = (instance.gpu_uuid, instance.placement.start)
+            if key in seen:  # two instances never share a GPU's first memory slice
+                raise _Unusable(f"data.instances[{i}]: a second instance at {key}")
+            seen.add(key)
+            instances.append(instance)
+    return Decoded(claims, body.get("bootID", str), body.get("writtenAt", str), tuple(instances), version)
 
 
 # --- the file ------------------------------------------------------------------------------
@@ -286,10 +445,16 @@ class CheckpointStore:
             if not stat.S_ISREG(mode):
                 raise _Unusable("not a regular file")
             raw = self._read()
-            claims, boot_id, written_at = decode(raw)
+            decoded = decode(raw)
         except _Unusable as exc:
             return self._move_aside(str(exc))
-        return Loaded(status="ok", claims=claims, boot_id=boot_id, written_at=written_at)
+        return Loaded(
+            status="ok",
+            claims=decoded.claims,
+            boot_id=decoded.boot_id,
+            written_at=decoded.written_at,
+            instances=decoded.instances,
+        )
 
     def _read(self) -> bytes:
         try:
@@ -317,10 +482,10 @@ class CheckpointStore:
         log.error("dra.checkpoint_unusable", path=str(self.path), problem=problem, moved_to=str(target))
         return Loaded(status="corrupt", problem=problem, moved_to=target)
 
-    def write(self, claims: Iterable[PreparedClaim], *, boot_id: str) -> str:
+    def write(self, claims: Iterable[PreparedClaim], *, boot_id: str, instances: Iterable[CreatedInstance] = ()) -> str:
         """Replace the checkpoint durably (one fdatasync); returns the write time. Raises CheckpointError."""
         written_at = self._now()
-        data = encode(claims, boot_id=boot_id, written_at=written_at)
+        data = encode(claims, boot_id=boot_id, written_at=written_at, instances=instances)
         try:
             self.directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         except OSError as exc:

@@ -32,6 +32,8 @@ class Reason(StrEnum):
     TIMEOUT = "timeout"
     CDI_ERROR = "cdi-error"
     CHECKPOINT_ERROR = "checkpoint-error"
+    MIG_ERROR = "mig-error"  # making or destroying a MIG instance failed
+    MPS_ERROR = "mps-error"  # the GPU's MPS control daemon could not be started or configured
     INTERNAL = "internal"
 
 

@@ -17,8 +17,8 @@ honour it, and a setting that is accepted but not applied would be a lie.)
 Every problem is a :class:`~agent.dra.claims.errors.ClaimError` naming the config and the field:
 an unknown apiVersion, kind or field, a value of the wrong type, a bad or reserved variable
 name, too many or too long values. Names the driver itself sets (``NVIDIA_*``,
-``GPU_AGENT_*``, ``CUDA_VISIBLE_DEVICES``) are reserved: overriding them would contradict the
-devices the container is given.
+``GPU_AGENT_*``, ``CUDA_VISIBLE_DEVICES``, and ``CUDA_MPS_*`` for shares under MPS) are
+reserved: overriding them would contradict the devices the container is given.
 
 Precedence (a driver convention; Kubernetes leaves it to drivers): configs from the class
 apply first, then the claim's, each in listed order; a later value of a variable wins. A
@@ -45,7 +45,7 @@ MAX_PARAMETERS_BYTES = 16 * 1024  # the API server allows 10 KiB; a bound of our
 MAX_ENV = 32
 MAX_NAME = 128
 MAX_VALUE = 4096
-RESERVED_PREFIXES = ("NVIDIA_", "GPU_AGENT_")
+RESERVED_PREFIXES = ("NVIDIA_", "GPU_AGENT_", "CUDA_MPS_")
 RESERVED_NAMES = frozenset({"CUDA_VISIBLE_DEVICES"})
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SOURCE_ORDER = {"FromClass": 0, "FromClaim": 1}
@@ -111,7 +111,9 @@ def _parse_env(value: Any, where: str) -> dict[str, str]:
         if not isinstance(name, str) or len(name) > MAX_NAME or not _NAME.fullmatch(name):
             raise _bad(where, f"invalid variable name {quote(name)} (letters, digits, _; not starting with a digit)")
         if reserved(name):
-            raise _bad(f"{where}.{name}", "reserved for the driver (NVIDIA_*, GPU_AGENT_*, CUDA_VISIBLE_DEVICES)")
+            raise _bad(
+                f"{where}.{name}", "reserved for the driver (NVIDIA_*, GPU_AGENT_*, CUDA_MPS_*, CUDA_VISIBLE_DEVICES)"
+            )
         if not isinstance(text, str):
             raise _bad(f"{where}.{name}", f"value must be a string, got {type(text).__name__}")
         if len(text) > MAX_VALUE or "\x00" in text:

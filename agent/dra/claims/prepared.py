@@ -2,7 +2,9 @@
 
 :class:`PreparedClaims` is a read-only mapping (claim UID -> :class:`PreparedClaim`) for everyone
 who asks what DRA handed out, and the only place that changes it: :meth:`PreparedClaims.record`
-and :meth:`PreparedClaims.remove`, called by the driver under the claim's lock.
+and :meth:`PreparedClaims.remove`, called by the driver under the claim's lock. It also holds the
+MIG instances the agent made (:meth:`PreparedClaims.record_instance`,
+:meth:`PreparedClaims.drop_instance`), which the checkpoint records with the claims.
 
 Every change bumps a version; :meth:`PreparedClaims.persist` writes the checkpoint unless a write
 that already includes the change happened, so a batch costs one write (one fsync) and
@@ -19,7 +21,7 @@ from pathlib import Path
 import structlog
 
 from agent.dra.claims.checkpoint import VERSION as CHECKPOINT_VERSION
-from agent.dra.claims.checkpoint import CheckpointError, CheckpointStore, PreparedClaim, utc_now
+from agent.dra.claims.checkpoint import CheckpointError, CheckpointStore, CreatedInstance, PreparedClaim, utc_now
 from agent.dra.metrics import DraMetrics
 
 log = structlog.get_logger("agent.dra")
@@ -69,8 +71,11 @@ class PreparedClaims(Mapping[str, PreparedClaim]):
         self._metrics = metrics
         self._now = now
         self._claims: dict[str, PreparedClaim] = {}
+        #: (GPU UUID, first memory slice) -> the MIG instance the agent made or is making there
+        self._instances: dict[tuple[str, int], CreatedInstance] = {}
         self._write_lock = asyncio.Lock()
         self._version = 0  # bumped by every change of _claims
+        self._changes = 0  # likewise, and by a restore: never goes back
         self._written = 0  # the version the checkpoint on disk holds
         self.loaded = False
         #: why the checkpoint could not be loaded ("" once it is)
@@ -94,13 +99,43 @@ class PreparedClaims(Mapping[str, PreparedClaim]):
         """Add the claim, or replace its entry; the next :meth:`persist` writes it."""
         self._claims[claim.uid] = claim
         self._version += 1
+        self._changes += 1
 
     def remove(self, uid: str) -> PreparedClaim | None:
         """Drop the claim's entry (the one removed, None when it had none)."""
         existing = self._claims.pop(uid, None)
         if existing is not None:
             self._version += 1
+            self._changes += 1
         return existing
+
+    @property
+    def version(self) -> int:
+        """Moves with every change of the claims or instances (cheap "did anything change?")."""
+        return self._changes
+
+    # --- MIG instances the agent made ---------------------------------------------------------
+
+    @property
+    def instances(self) -> tuple[CreatedInstance, ...]:
+        return tuple(self._instances.values())
+
+    def instances_of(self, claim_uid: str) -> list[CreatedInstance]:
+        return [i for i in self._instances.values() if i.claim_uid == claim_uid]
+
+    def record_instance(self, instance: CreatedInstance) -> None:
+        """Record an instance about to be made (``uuid`` None) or made; the next persist writes it."""
+        self._instances[(instance.gpu_uuid, instance.placement.start)] = instance
+        self._version += 1
+        self._changes += 1
+
+    def drop_instance(self, instance: CreatedInstance) -> None:
+        """Forget an instance that is gone (destroyed, or never made)."""
+        key = (instance.gpu_uuid, instance.placement.start)
+        if self._instances.get(key) == instance:
+            del self._instances[key]
+            self._version += 1
+            self._changes += 1
 
     # --- the checkpoint ---------------------------------------------------------------------
 
@@ -133,7 +168,9 @@ class PreparedClaims(Mapping[str, PreparedClaim]):
             status.from_earlier_boot = True
             log.info("dra.checkpoint_from_earlier_boot", claims=len(claims), written_under=loaded.boot_id)
         self._claims = dict(claims)
+        self._instances = {(i.gpu_uuid, i.placement.start): i for i in loaded.instances}
         self._version = 1 if loaded.status == "corrupt" else 0
+        self._changes += 1
         status.version = CHECKPOINT_VERSION if loaded.status == "ok" else 0
         self.loaded = True
         self.load_error = ""
@@ -153,8 +190,11 @@ class PreparedClaims(Mapping[str, PreparedClaim]):
                 return
             version = self._version
             claims = list(self._claims.values())
+            instances = list(self._instances.values())
             try:
-                written_at = await asyncio.to_thread(self._store.write, claims, boot_id=self._boot_id)
+                written_at = await asyncio.to_thread(
+                    self._store.write, claims, boot_id=self._boot_id, instances=instances
+                )
             except CheckpointError as exc:
                 self._metrics.checkpoint_writes.labels(result="error").inc()
                 self.checkpoint.last_error = str(exc)

@@ -13,10 +13,11 @@ import contextlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from agent.cdi.claimenv import ClaimDevices
+from agent.cdi.claimenv import ClaimDevices, share_key
 from agent.cdi.errors import CdiError
 from agent.cdi.names import check_claim_uid
 from agent.cdi.service import CdiProvider
+from agent.core.inventory.model import Inventory
 from agent.dra.claims.checkpoint import PreparedClaim
 from agent.dra.claims.prepared import PreparedClaims
 from agent.dra.claims.specs import read_claim_specs, rebuild_claims
@@ -49,12 +50,14 @@ class ClaimSpecWriter:
         with contextlib.suppress(CdiError):  # a spec left behind is an orphan the CDI reconciler removes
             await self._cdi.unprepare_claims(uids)
 
-    def read_back(self, devices: list[DraDevice], *, pool: str, now: str) -> dict[str, PreparedClaim]:
+    def read_back(
+        self, devices: list[DraDevice], inventory: Inventory, *, pool: str, now: str
+    ) -> dict[str, PreparedClaim]:
         """Incomplete entries for the claims whose specs are on disk (blocking: file I/O)."""
         if self._cdi_root is None or not self._claim_kind:
             return {}
         specs = read_claim_specs(self._cdi_root, self._claim_kind)
-        return rebuild_claims(specs, devices, pool=pool, now=now)
+        return rebuild_claims(specs, devices, inventory, pool=pool, now=now)
 
 
 def specs_to_keep(prepared: PreparedClaims) -> dict[str, ClaimDevices] | None:
@@ -65,9 +68,15 @@ def specs_to_keep(prepared: PreparedClaims) -> dict[str, ClaimDevices] | None:
     out = {}
     for uid, claim in prepared.items():
         env: dict[str, tuple[str, ...]] = {}
+        mounts: dict[str, tuple[tuple[str, str], ...]] = {}
+        keys = []
         for device in claim.devices:
-            env.setdefault(device.uuid, tuple(f"{k}={v}" for k, v in device.env.items()))
-        out[uid] = ClaimDevices(devices=tuple(dict.fromkeys(d.uuid for d in claim.devices)), env=env)
+            key = share_key(device.uuid, device.share_id) if device.is_share and device.share_id else device.uuid
+            keys.append(key)
+            env.setdefault(key, tuple(f"{k}={v}" for k, v in device.env.items()))
+            if device.mounts:
+                mounts.setdefault(key, device.mounts)
+        out[uid] = ClaimDevices(devices=tuple(dict.fromkeys(keys)), env=env, mounts=mounts)
     return out
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from agent.base.feeds import Broadcast
 from agent.core.config.schema import Owner
 from agent.core.health.model import HealthState
-from agent.core.inventory.model import Inventory
 from agent.core.node import NodeFacts
-from agent.dra.devices import DraDevice, dra_devices
+from agent.dra.devices import DraDevice
+from agent.dra.modes import ModeGate
 
 RESEND_S = 10.0
 TIMEOUT_S = 45
@@ -59,8 +59,12 @@ class HealthFeed:
         max_streams: int = MAX_STREAMS,
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        gate: ModeGate | None = None,
+        health_uuid: Callable[[DraDevice], str] = lambda device: device.uuid,
     ) -> None:
         self.pool = pool
+        self._gate = gate or ModeGate(inventory=node.inventory)
+        self._health_uuid = health_uuid
         self._inventory = node.inventory
         self._ownership = node.ownership
         self._health = node.health
@@ -73,20 +77,18 @@ class HealthFeed:
         self.changes: Broadcast[None] = Broadcast(maxsize=1)
         self.streams = 0
         self.messages_sent = 0
-        self._devices: tuple[Inventory | None, list[DraDevice]] = (None, [])
 
     def snapshot(self) -> list[DeviceHealthReport]:
-        """Every DRA-owned device of this node with its health now."""
+        """Every DRA-owned device of this node (as its GPU's shape publishes it) with its health now;
+        a partition whose MIG instance exists reports the instance's health, else its GPU's."""
         table = self._ownership.current
         now = int(self._wall())
         out = []
-        inventory = self._inventory.current
-        if self._devices[0] is not inventory:  # inventories are immutable: once per inventory
-            self._devices = (inventory, dra_devices(inventory))
-        for device in self._devices[1]:
+        for device in self._gate.devices():
             if not table.granted_to(device.uuid, Owner.DRA):
                 continue
-            state = self._health.state(device.uuid)
+            uuid = self._health_uuid(device)
+            state = self._health.state(uuid)
             out.append(
                 DeviceHealthReport(
                     pool=self.pool,
@@ -94,7 +96,7 @@ class HealthFeed:
                     state=state,
                     updated=now,
                     timeout_s=self.timeout_s,
-                    message=self._message(device.uuid, state),
+                    message=self._message(uuid, state),
                 )
             )
         return out
@@ -116,9 +118,11 @@ class HealthFeed:
             self._health.changes.subscribe() as health,
             self._ownership.changes.subscribe() as ownership,
             self._inventory.changes.subscribe() as inventory,
+            self._gate.changes.subscribe() as shapes,
         ):
             async with asyncio.TaskGroup() as tg:
-                for name, sub in (("health", health), ("ownership", ownership), ("inventory", inventory)):
+                feeds = (("health", health), ("ownership", ownership), ("inventory", inventory), ("shapes", shapes))
+                for name, sub in feeds:
                     tg.create_task(self._forward(sub), name=f"dra-health-feed-{name}")
 
     async def _forward(self, subscription: AsyncIterator[object]) -> None:

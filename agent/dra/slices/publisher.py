@@ -16,7 +16,12 @@
 Device taints are used only where the cluster keeps them: the first time a device is unhealthy,
 a dry-run create with a tainted device shows whether the server drops the field (gate
 ``DRADeviceTaints`` off); every real write is checked the same way. The answer is kept per
-``resource.k8s.io`` version and found again after a re-discovery.
+``resource.k8s.io`` version and found again after a re-discovery. Counters (dynamic MIG,
+gate ``DRAPartitionableDevices``) and shared devices (gate ``DRAConsumableCapacity``) are
+learned the same way, the first time a GPU's ``dra.publish`` mode needs them, and told to the
+mode gate (:class:`~agent.dra.modes.ModeGate`): where the server drops them, or serves only
+``v1beta1``, such GPUs are published whole and the reason shows on ``/readyz`` and
+``/debug/state``. A real write that comes back without them does the same, loudly.
 
 :meth:`KubeSlicePublisher.published_gpus` is what the handover checks against the device plugin's
 ListAndWatch: a GPU counts as published from the moment a write that includes it is attempted
@@ -44,9 +49,14 @@ from agent.base.feeds import Subscription
 from agent.core.mechanism import Readiness
 from agent.core.node import NodeFacts
 from agent.dra.devices import dra_devices
+from agent.dra.modes import ApiSupport, ModeGate
+from agent.dra.partitions import CounterUse
 from agent.dra.slices.codec import parse_slice, slice_body
 from agent.dra.slices.plan import (
+    CounterSlice,
     Plan,
+    RequestPolicy,
+    SliceContent,
     SliceDevice,
     StoredSlice,
     Taint,
@@ -121,6 +131,7 @@ class KubeSlicePublisher:
         sleep: Sleep = asyncio.sleep,
         watch_timeout_s: float = 300.0,
         min_watch_s: float = 1.0,
+        gate: ModeGate | None = None,
     ) -> None:
         self._client = client
         self.node_name = node_name
@@ -128,6 +139,8 @@ class KubeSlicePublisher:
         self._inventory = node.inventory
         self._ownership = node.ownership
         self._health = node.health
+        #: each GPU's publish shape: the devices and counter sets to publish
+        self.gate = gate or ModeGate(inventory=node.inventory)
         self._api = resource_api or ResourceApi(client)
         #: retries of writes and of the watch, with wide jitter: after an API server restart every
         #: node's publisher retries at once
@@ -148,8 +161,11 @@ class KubeSlicePublisher:
         self._node_uid = ""
         #: resource.k8s.io version -> whether the server keeps device taints
         self._taints: dict[str, bool] = {}
+        #: resource.k8s.io version -> whether it keeps counters / shared devices, and why not
+        self._counters: dict[str, tuple[bool, str]] = {}
+        self._shared: dict[str, tuple[bool, str]] = {}
         #: desired slice content -> what the server stored for it, when the two differ
-        self._normalized: dict[tuple[SliceDevice, ...], tuple[SliceDevice, ...]] = {}
+        self._normalized: dict[SliceContent, SliceContent] = {}
         self._inflight: frozenset[str] = frozenset()
         #: GPUs of writes whose outcome was not seen; cleared by the next successful list
         self._uncertain: set[str] = set()
@@ -191,7 +207,7 @@ class KubeSlicePublisher:
         desired = self._desired(version)
         if desired is None:
             return None
-        expected = frozenset(d.name for devices in desired for d in devices)
+        expected = frozenset(d.name for content in desired if not isinstance(content, CounterSlice) for d in content)
         return expected, frozenset(d.name for s in self._slices.values() for d in s.devices)
 
     def readiness(self) -> Readiness:
@@ -223,6 +239,10 @@ class KubeSlicePublisher:
             "writes": dict(self.writes),
             "errors": self.errors,
             "taints_supported": self._taints.get(version) if version else None,
+            "counters_supported": self.gate.support.counters,
+            "shared_supported": self.gate.support.shared,
+            "support_note": self.gate.support.reason or None,
+            "counter_sets": [c.name for s in self._slices.values() for c in s.counters],
         }
 
     # --- running -------------------------------------------------------------------------
@@ -233,11 +253,13 @@ class KubeSlicePublisher:
             self._inventory.changes.subscribe() as inventory,
             self._ownership.changes.subscribe() as ownership,
             self._health.changes.subscribe() as health,
+            self.gate.changes.subscribe() as shapes,
         ):
             while not self._inventory.current.gpus:
                 await inventory.get()
             async with asyncio.TaskGroup() as group:
-                for name, feed in (("inventory", inventory), ("ownership", ownership), ("health", health)):
+                feeds = (("inventory", inventory), ("ownership", ownership), ("health", health), ("shapes", shapes))
+                for name, feed in feeds:
                     group.create_task(self._follow(feed), name=f"dra-slices-feed-{name}")
                 group.create_task(self._watch_loop(), name="dra-slices-watch")
                 group.create_task(self._sync_loop(), name="dra-slices-sync")
@@ -292,6 +314,7 @@ class KubeSlicePublisher:
         node_uid = await self._node_uid_of()
         if self._stale or not self._known:
             await self._relist(version)
+        await self._learn_support(version, node_uid)
         desired = self._desired(version)
         if desired is None:
             await self._probe_taints(version, node_uid)
@@ -314,24 +337,69 @@ class KubeSlicePublisher:
             node=self.node_name,
             generation=current.generation,
             slices=current.count,
-            devices=sum(len(d) for d in desired),
+            devices=sum(len(d) for d in desired if not isinstance(d, CounterSlice)),
             why="; ".join(current.reasons),
         )
         await self._apply(version, node_uid, current, desired)
 
-    def _desired(self, version: str) -> tuple[tuple[SliceDevice, ...], ...] | None:
+    def _desired(self, version: str) -> tuple[SliceContent, ...] | None:
         """The pool's slices; None when a device is unhealthy and taint support is not known yet."""
         return desired_slices(
-            dra_devices(self._inventory.current),
+            self.gate.devices(),
             ownership=self._ownership.current,
             health=self._health,
             driver=self.driver_name,
             taints=self._taints.get(version),
+            counter_sets=self.gate.counter_sets(),
         )
 
-    async def _apply(
-        self, version: str, node_uid: str, current: Plan, desired: tuple[tuple[SliceDevice, ...], ...]
-    ) -> None:
+    async def _learn_support(self, version: str, node_uid: str) -> None:
+        """Tell the mode gate what this API version keeps of counters and shared devices, asking the
+        server with a dry-run create the first time a GPU's mode needs to know."""
+        counters, shared = self.gate.needs()
+        if version == "v1beta1":
+            why = "resource.k8s.io/v1beta1 (Kubernetes 1.32/1.33): counters and shared devices need v1beta2 or v1"
+            self._counters[version] = self._shared[version] = (False, why)
+        elif (counters and version not in self._counters) or (shared and version not in self._shared):
+            await self._probe_partitioning(version, node_uid)
+        known_counters, known_shared = self._counters.get(version), self._shared.get(version)
+        reasons = [why for known in (known_counters, known_shared) if known and not known[0] for why in (known[1],)]
+        self.gate.set_support(
+            ApiSupport(
+                counters=known_counters[0] if known_counters else None,
+                shared=known_shared[0] if known_shared else None,
+                reason="; ".join(dict.fromkeys(reasons)),
+            )
+        )
+
+    async def _probe_partitioning(self, version: str, node_uid: str) -> None:
+        """Dry-run a slice with a counter-consuming device and a shared one: what comes back is kept."""
+        probe = (
+            SliceDevice(name="probe-counters", consumes=(CounterUse("probe-counters", (("memory-slice-0", "1"),)),)),
+            SliceDevice(
+                name="probe-shared",
+                capacity=(("memory", "2Gi"),),
+                allow_multiple=True,
+                policies=(("memory", RequestPolicy("1Gi", "1Gi", "1Gi")),),
+            ),
+        )
+        try:
+            answer = await self._dry_run(version, node_uid, probe)
+        except KubeError as exc:
+            if exc.status not in (400, 422):
+                raise
+            why = f"the API server refuses counters and shared devices: {str(exc)[:200]}"
+            self._counters[version] = self._shared[version] = (False, why)
+            log.warning("partitioning refused by the API server", version=version, error=str(exc)[:200])
+            return
+        stored = {d.name: d for d in self._parse(answer, version).devices}
+        kept_counters = stored.get("probe-counters", SliceDevice("")).consumes == probe[0].consumes
+        kept_shared = stored.get("probe-shared", SliceDevice("")).allow_multiple
+        self._counters[version] = (kept_counters, "" if kept_counters else _DROPPED_COUNTERS)
+        self._shared[version] = (kept_shared, "" if kept_shared else _DROPPED_SHARED)
+        log.info("partitioning support detected", version=version, counters=kept_counters, shared=kept_shared)
+
+    async def _apply(self, version: str, node_uid: str, current: Plan, desired: tuple[SliceContent, ...]) -> None:
         # obsolete slices go first: devices the node no longer offers disappear even if a create fails
         for stored in current.deletes:
             await self._delete(version, stored)
@@ -342,7 +410,7 @@ class KubeSlicePublisher:
             await self._write(version, node_uid, current, wanted.get(devices, devices), None)
 
     async def _write(
-        self, version: str, node_uid: str, current: Plan, devices: tuple[SliceDevice, ...], stored: StoredSlice | None
+        self, version: str, node_uid: str, current: Plan, devices: SliceContent, stored: StoredSlice | None
     ) -> None:
         action = "create" if stored is None else "update"
         body = slice_body(
@@ -357,7 +425,9 @@ class KubeSlicePublisher:
             generate_name=generate_name(self.node_name, self.driver_name),
             resource_version=stored.resource_version if stored else "",
         )
-        gpus = frozenset(d.gpu_uuid for d in devices if d.gpu_uuid)
+        gpus = (
+            frozenset() if isinstance(devices, CounterSlice) else frozenset(d.gpu_uuid for d in devices if d.gpu_uuid)
+        )
         self._inflight = gpus
         collection = self._api.path(version, RESOURCE)
         try:
@@ -407,10 +477,16 @@ class KubeSlicePublisher:
         self._metrics.devices.set(sum(len(s.devices) for s in self._slices.values()))
         self._metrics.slices.set(len(self._slices))
 
-    def _check_stored(self, version: str, sent: tuple[SliceDevice, ...], stored: StoredSlice) -> None:
+    def _check_stored(self, version: str, sent: SliceContent, stored: StoredSlice) -> None:
         """Notice fields the server dropped (a disabled gate) or changed, so the next plan agrees with it."""
         self._update_gauges()
-        if stored.devices == sent:
+        if stored.content == sent:
+            return
+        if self._dropped_partitioning(version, sent, stored):
+            return
+        if isinstance(sent, CounterSlice):
+            log.warning("the API server stored counters other than sent; keeping its form", slice=stored.name)
+            self._remember(sent, stored.content)
             return
         if any(d.taints for d in sent) and not any(d.taints for d in stored.devices):
             log.warning(
@@ -421,17 +497,48 @@ class KubeSlicePublisher:
             self.kick()
             return
         log.warning("the API server stored a ResourceSlice other than sent; keeping its form", slice=stored.name)
+        self._remember(sent, stored.content)
+
+    def _remember(self, sent: SliceContent, stored: SliceContent) -> None:
         if len(self._normalized) > 64:
             self._normalized.clear()
-        self._normalized[sent] = stored.devices
+        self._normalized[sent] = stored
+
+    def _dropped_partitioning(self, version: str, sent: SliceContent, stored: StoredSlice) -> bool:
+        """The server dropped counters or shared devices we wrote (a gate is off): fall back, loudly."""
+        if isinstance(sent, CounterSlice):
+            dropped_counters, dropped_shared = not stored.counters, False
+        else:
+            dropped_counters = any(d.consumes for d in sent) and not any(d.consumes for d in stored.devices)
+            dropped_shared = any(d.allow_multiple for d in sent) and not any(d.allow_multiple for d in stored.devices)
+        if dropped_counters:
+            self._counters[version] = (False, _DROPPED_COUNTERS)
+        if dropped_shared:
+            self._shared[version] = (False, _DROPPED_SHARED)
+        if not (dropped_counters or dropped_shared):
+            return False
+        log.error(
+            "the API server dropped fields partitioning needs; those GPUs are published whole",
+            version=version,
+            counters=dropped_counters,
+            shared=dropped_shared,
+        )
+        self._stale = True  # what was stored is not what we meant: read again, write again
+        self.kick()
+        return True
 
     async def _probe_taints(self, version: str, node_uid: str) -> None:
         """Ask with a dry-run create whether the server keeps a device's taint."""
-        probe = next(
-            (d for d in dra_devices(self._inventory.current) if unhealthy_cause(self._health, d.uuid) is not None), None
-        )
+        probe = next((d for d in self.gate.devices() if unhealthy_cause(self._health, d.uuid) is not None), None)
         assert probe is not None
         device = SliceDevice.of(probe, (Taint(taint_key(self.driver_name), "probe"),))
+        answer = await self._dry_run(version, node_uid, (device,))
+        kept = any(d.taints for d in self._parse(answer, version).devices)
+        self._taints[version] = kept
+        log.info("device taint support detected", version=version, supported=kept)
+
+    async def _dry_run(self, version: str, node_uid: str, devices: tuple[SliceDevice, ...]) -> Any:
+        """A slice of ``devices`` created with ``dryRun: All``: the server's answer, nothing stored."""
         body = slice_body(
             version,
             node=self.node_name,
@@ -439,13 +546,10 @@ class KubeSlicePublisher:
             driver=self.driver_name,
             generation=max(self._generation, 1),
             count=1,
-            devices=(device,),
+            devices=devices,
             generate_name=generate_name(self.node_name, self.driver_name),
         )
-        answer = await self._client.create(self._api.path(version, RESOURCE), body, {"dryRun": "All"})
-        kept = any(d.taints for d in self._parse(answer, version).devices)
-        self._taints[version] = kept
-        log.info("device taint support detected", version=version, supported=kept)
+        return await self._client.create(self._api.path(version, RESOURCE), body, {"dryRun": "All"})
 
     # --- reading -------------------------------------------------------------------------
 
@@ -561,6 +665,10 @@ class KubeSlicePublisher:
         if known != stored:
             self._slices[stored.name] = stored
             self.kick()
+
+
+_DROPPED_COUNTERS = "the API server drops device counters (feature gate DRAPartitionableDevices off?)"
+_DROPPED_SHARED = "the API server drops shared devices (feature gate DRAConsumableCapacity off?)"
 
 
 def _older(a: str, b: str) -> bool:

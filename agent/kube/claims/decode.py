@@ -20,6 +20,9 @@ from agent.kube.errors import KubeError
 MAX_RESULTS = 256
 MAX_CONFIGS = 256
 MAX_RESERVED = 1024
+#: capacities of one device (the API allows 32 attributes and capacities together), and their text
+MAX_CAPACITIES = 64
+MAX_CAPACITY_TEXT = 128
 
 
 class ClaimFormatError(KubeError):
@@ -82,7 +85,13 @@ def _result(raw: Any, where: str, admin: set[str]) -> DeviceResult:
         admin_access = fields["request"].partition("/")[0] in admin
     elif not isinstance(admin_access, bool):
         raise ClaimFormatError(f"{where}.adminAccess: not a boolean")
-    return DeviceResult(**fields, share_id=share_id or None, admin_access=admin_access)
+    consumed = raw.get("consumedCapacity") or {}
+    if not isinstance(consumed, dict) or len(consumed) > MAX_CAPACITIES:
+        raise ClaimFormatError(f"{where}.consumedCapacity: not a map of at most {MAX_CAPACITIES} quantities")
+    for name, value in consumed.items():
+        if not isinstance(value, str) or len(name) > MAX_CAPACITY_TEXT or len(value) > MAX_CAPACITY_TEXT:
+            raise ClaimFormatError(f"{where}.consumedCapacity: {name[:40]!r} is not a quantity")
+    return DeviceResult(**fields, share_id=share_id or None, admin_access=admin_access, consumed=consumed)
 
 
 def _config(raw: Any, where: str) -> OpaqueConfig:

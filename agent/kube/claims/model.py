@@ -36,6 +36,8 @@ class DeviceResult:
     device: str
     share_id: str | None = None
     admin_access: bool = False
+    #: ``consumedCapacity``: capacity name -> quantity (only for devices that allow several allocations)
+    consumed: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def main_request(self) -> str:

@@ -3,7 +3,9 @@
 Field names that tools and tests rely on (docs/observability.md, "Debug endpoint"):
 ``devices[].uuid/index/owner/health/mig`` and ``config.version/source/last_error``; more fields may
 be added, none removed.
-``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail`` and
+``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail``,
+``devices[].mechanism_details.dra`` (the GPU's DRA publish mode, MIG partitions, shares and free
+counters) and
 ``devices[].utilization`` (``gpu_percent``, ``memory_used_mib``, ``memory_total_mib``: numbers, or
 null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans``, ``watchdog``,
 ``readiness`` (what ``/readyz`` answers, with the failing checks named), ``config.last_error``
@@ -68,7 +70,8 @@ class AgentView(Protocol):
 def agent_state(agent: AgentView) -> dict[str, Any]:
     inventory = agent.inventories.current
     usage = {name: mechanism.usage() for name, mechanism in agent.mechanisms.items()}
-    devices = [_device(agent, gpu, usage) for gpu in inventory.gpus]
+    details = {name: mechanism.gpu_details() for name, mechanism in agent.mechanisms.items()}
+    devices = [_device(agent, gpu, usage, details) for gpu in inventory.gpus]
     table = agent.ownership.current
     cs = agent.config_state
     state: dict[str, Any] = {
@@ -141,7 +144,9 @@ def _holder(agent: AgentView, holder: Holder) -> dict[str, object]:
     return out
 
 
-def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str, Any]:
+def _device(
+    agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage], details: Mapping[str, Mapping[str, Mapping[str, object]]]
+) -> dict[str, Any]:
     record = agent.health.record(gpu.uuid)
     return {
         "uuid": gpu.uuid,
@@ -164,6 +169,7 @@ def _device(agent: AgentView, gpu: Gpu, usage: Mapping[str, Usage]) -> dict[str,
         "holders": {
             name: [_holder(agent, h) for h in u.holders.get(gpu.uuid, ())] for name, u in usage.items() if u.known
         },
+        "mechanism_details": {name: dict(d[gpu.uuid]) for name, d in details.items() if gpu.uuid in d},
         "xids": {str(x): n for x, n in sorted(agent.health.xid_counts(gpu.uuid).items())},
         "utilization": agent.observers.utilization.get(gpu.uuid).as_dict(),
         "mig_enabled": gpu.mig_enabled,
