@@ -4,18 +4,21 @@ client talks to.
 It serves what the agent uses: discovery of ``resource.k8s.io`` (v1, v1beta2, v1beta1 in any
 combination), ResourceSlices (create with generateName and dryRun, get, list, watch, update,
 delete with preconditions; field selectors ``spec.nodeName``/``spec.driver``, label selectors),
-ResourceClaims (get; tests insert them in any version's shape), Nodes (get, list, watch; a
-status with ``allocatable`` when a test sets one), Pods (get, whole or as metadata) and Events
-(create, patch, list). ResourceSlices are stored in the v1 shape and converted to and
-from v1beta1's ``basic`` nesting. Validation and error wording follow what a real v1.36
-kube-apiserver was seen to answer, resourceVersions are a global counter, a stale update is
-409 Conflict, and a watch from a compacted resourceVersion gets 410 Gone.
+ResourceClaims (get; list and watch with only the metadata field selectors a real one has),
+Nodes (get, list, watch; a status with ``allocatable`` when a test sets one), Pods (get, list and
+watch with the field selectors a real one allows, ``spec.nodeName`` among them; whole or as
+``PartialObjectMetadata``) and Events (create, patch, list). ResourceSlices are stored in the
+v1 shape and converted to and from v1beta1's ``basic`` nesting. Validation and error wording
+follow what a real v1.36 kube-apiserver was seen to answer, resourceVersions are a global counter,
+a stale update is 409 Conflict, and a watch from a compacted resourceVersion gets 410 Gone.
 
 Rudeness knobs: ``delay_s`` on every response, :meth:`fail` (any status, N times or until
 cleared), :meth:`hang` (accept and never answer), :meth:`close_watches` (abort),
-:meth:`end_watches`, :meth:`expire_watches` (410), :meth:`compact`, :meth:`delete_slices`
-(what the kubelet does), :meth:`oversize` (an endless body), and ``taints = False`` (the
-DRADeviceTaints gate off: taints silently dropped).
+:meth:`end_watches`, :meth:`expire_watches` (410), :meth:`compact`, :meth:`restart` (every
+stream cut and every resourceVersion before it out of the window, as after a real restart),
+:meth:`delete_slices` (what the kubelet does), :meth:`oversize` (an endless body), and
+``taints = False`` (the DRADeviceTaints gate off: taints silently dropped). Watches that ask for
+bookmarks get one every ``bookmark_s`` seconds when it is set (a real one: about every minute).
 """
 
 from __future__ import annotations
@@ -102,6 +105,32 @@ def _page_not_found() -> web.Response:
     return web.Response(status=404, text="404 page not found\n", content_type="text/plain")
 
 
+#: field selectors a v1.36 kube-apiserver accepts, per resource (``pkg/registry/*/strategy.go``
+#: ``GetAttrs``/``ToSelectableFields``); resourceclaims have only the metadata ones
+_META_FIELDS = ("metadata.name", "metadata.namespace")
+_FIELDS = {
+    "nodes": (*_META_FIELDS, "spec.unschedulable"),
+    "pods": (
+        *_META_FIELDS,
+        "spec.nodeName",
+        "spec.restartPolicy",
+        "spec.schedulerName",
+        "spec.serviceAccountName",
+        "spec.hostNetwork",
+        "status.phase",
+        "status.podIP",
+        "status.nominatedNodeName",
+    ),
+    "resourceslices": (*_META_FIELDS, "spec.nodeName", "spec.driver"),
+    "resourceclaims": _META_FIELDS,
+}
+_METADATA_ONLY = "as=PartialObjectMetadata"
+
+
+class _BadRequest(Exception):
+    pass
+
+
 class _Invalid(Exception):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("; ".join(errors))
@@ -167,6 +196,8 @@ class FakeApiServer:
         self.taint_device_limit = 64
         self.rv = 100
         self.delay_s = 0.0
+        #: when set, every watch that allows bookmarks gets one this often
+        self.bookmark_s: float | None = None
         self.url = ""
         self.nodes: dict[str, dict[str, Any]] = {}
         #: ResourceSlices in the v1 shape, by name
@@ -243,7 +274,7 @@ class FakeApiServer:
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self._record("nodes", "MODIFIED", obj)
 
-    def add_pod(self, namespace: str, name: str, *, uid: str = "") -> dict[str, Any]:
+    def add_pod(self, namespace: str, name: str, *, uid: str = "", node: str = NODE) -> dict[str, Any]:
         self.rv += 1
         pod = {
             "kind": "Pod",
@@ -253,15 +284,21 @@ class FakeApiServer:
                 "namespace": namespace,
                 "uid": uid or f"uid-{namespace}-{name}",
                 "resourceVersion": str(self.rv),
+                "creationTimestamp": _now(),
             },
-            "spec": {"nodeName": NODE, "containers": [{"name": "main", "image": "cuda"}]},
+            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "cuda"}]},
+            "status": {"phase": "Running"},
         }
         self.pods[(namespace, name)] = pod
+        self._record("pods", "ADDED", pod)
         return pod
 
     def delete_pod(self, namespace: str, name: str) -> None:
         self.rv += 1
-        del self.pods[(namespace, name)]
+        pod = self.pods.pop((namespace, name))
+        gone = copy.deepcopy(pod)
+        gone["metadata"]["resourceVersion"] = str(self.rv)
+        self._record("pods", "DELETED", gone)
 
     def put_claim(self, claim: dict[str, Any]) -> None:
         meta = claim["metadata"]
@@ -339,6 +376,13 @@ class FakeApiServer:
         """Forget history: a watch from any resourceVersion before now gets 410."""
         self._compacted = self.rv
         self._history.clear()
+
+    def restart(self) -> None:
+        """What clients see of an API server restart: every stream cut, and a new watch cache that
+        starts after every resourceVersion they hold (a watch from one gets 410 Gone)."""
+        self.close_watches()
+        self.rv += 1
+        self.compact()
 
     def push(self, event: dict[str, Any], *, resource: str = "nodes") -> None:
         """Send a raw event on every open watch of ``resource``."""
@@ -420,6 +464,8 @@ class FakeApiServer:
                 return await self._resource_group(request, parts[2:], body)
         except _Invalid as exc:
             return _status(422, " ".join(exc.errors))
+        except _BadRequest as exc:
+            return _status(400, str(exc))
         return _page_not_found()
 
     async def _oversized(self, request: web.Request, size: int) -> web.StreamResponse:
@@ -447,29 +493,35 @@ class FakeApiServer:
                 match = self._selector(request, "nodes")
                 if request.query.get("watch") == "true":
                     return await self._watch(request, "nodes", "v1", match)
-                items = [n for n in self.nodes.values() if match(n)]
-                return web.json_response(
-                    {
-                        "kind": "NodeList",
-                        "apiVersion": "v1",
-                        "metadata": {"resourceVersion": str(self.rv)},
-                        "items": items,
-                    }
-                )
+                return self._list(request, "NodeList", "v1", [n for n in self.nodes.values() if match(n)])
         if len(parts) >= 3 and parts[0] == "namespaces" and parts[2] == "events":
             return self._events(request, parts[1], parts[3:], body)
         if len(parts) == 4 and parts[0] == "namespaces" and parts[2] == "pods" and request.method == "GET":
             return self._pod(request, parts[1], parts[3])
+        if parts == ["pods"] and request.method == "GET":
+            match = self._selector(request, "pods")
+            if request.query.get("watch") == "true":
+                return await self._watch(request, "pods", "v1", match)
+            return self._list(request, "PodList", "v1", [p for p in self.pods.values() if match(p)])
         return _page_not_found()
+
+    def _list(self, request: web.Request, kind: str, api_version: str, items: list[dict[str, Any]]) -> web.Response:
+        since = request.query.get("resourceVersion", "")
+        if since.isdigit() and int(since) > self.rv:
+            return _status(504, f"Too large resource version: {since}, current: {self.rv}", reason="Timeout")
+        if _METADATA_ONLY in request.headers.get("Accept", ""):
+            kind, api_version = "PartialObjectMetadataList", "meta.k8s.io/v1"
+            items = [_metadata_only(i) for i in items]
+        return web.json_response(
+            {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(self.rv)}, "items": items}
+        )
 
     def _pod(self, request: web.Request, namespace: str, name: str) -> web.Response:
         pod = self.pods.get((namespace, name))
         if pod is None:
             return _status(404, f'pods "{name}" not found', details={"name": name, "kind": "pods"})
-        if "as=PartialObjectMetadata" in request.headers.get("Accept", ""):
-            return web.json_response(
-                {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": pod["metadata"]}
-            )
+        if _METADATA_ONLY in request.headers.get("Accept", ""):
+            return web.json_response(_metadata_only(pod))
         return web.json_response(pod)
 
     def _events(self, request: web.Request, namespace: str, rest: list[str], body: Any) -> web.Response:
@@ -526,6 +578,12 @@ class FakeApiServer:
             )
         if rest[0] == "resourceslices":
             return await self._slices(request, version, rest[1:], body)
+        if rest == ["resourceclaims"] and request.method == "GET":
+            match = self._selector(request, "resourceclaims")
+            if request.query.get("watch") == "true":
+                return await self._watch(request, "resourceclaims", version, match)
+            claims = [{**c, "apiVersion": f"{GROUP}/{version}"} for c in self.claims.values() if match(c)]
+            return self._list(request, "ResourceClaimList", f"{GROUP}/{version}", claims)
         if len(rest) == 4 and rest[0] == "namespaces" and rest[2] == "resourceclaims" and request.method == "GET":
             claim = self.claims.get((rest[1], rest[3]))
             if claim is None:
@@ -675,9 +733,8 @@ class FakeApiServer:
         fields: dict[str, str] = {}
         for term in filter(None, request.query.get("fieldSelector", "").split(",")):
             key, _, value = term.partition("=")
-            allowed = {"nodes": ("metadata.name",), "resourceslices": ("metadata.name", "spec.nodeName", "spec.driver")}
-            if key not in allowed[resource]:
-                raise _Invalid([f"field label not supported: {key}"])
+            if key not in _FIELDS[resource]:
+                raise _BadRequest(f"field label not supported: {key}")
             fields[key] = value
         labels = [t for t in request.query.get("labelSelector", "").split(",") if t]
 
@@ -731,7 +788,12 @@ class FakeApiServer:
                 if rv > int(since) and res == resource and match(obj):
                     watch.queue.put_nowait({"type": kind, "object": copy.deepcopy(obj)})
         else:
-            current = self.nodes.values() if resource == "nodes" else self.slices.values()
+            current = {
+                "nodes": self.nodes,
+                "resourceslices": self.slices,
+                "pods": self.pods,
+                "resourceclaims": self.claims,
+            }[resource].values()
             for obj in current:
                 if match(obj):
                     watch.queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
@@ -740,6 +802,10 @@ class FakeApiServer:
         self._watches.append(watch)
         self._watch_started.put_nowait(dict(request.query))
         timeout = float(request.query.get("timeoutSeconds") or 1800)
+        metadata_only = _METADATA_ONLY in request.headers.get("Accept", "")
+        bookmarks = (
+            asyncio.create_task(self._bookmarks(watch)) if request.query.get("allowWatchBookmarks") == "true" else None
+        )
         try:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 async with asyncio.timeout(timeout):
@@ -754,11 +820,23 @@ class FakeApiServer:
                             obj = item["object"]
                             if resource == "resourceslices" and obj.get("kind") != "Status" and "spec" in obj:
                                 item = {**item, "object": _to_version(obj, version)}
+                            elif metadata_only and obj.get("kind") != "Status":
+                                item = {**item, "object": _metadata_only(obj)}
                         await resp.write(json.dumps(item).encode() + b"\n")
                 await resp.write_eof()
         finally:
+            if bookmarks is not None:
+                bookmarks.cancel()
             self._watches.remove(watch)
         return resp
+
+    async def _bookmarks(self, watch: _Watch) -> None:
+        while True:
+            if self.bookmark_s is None:
+                await asyncio.sleep(0.05)
+                continue
+            await asyncio.sleep(self.bookmark_s)
+            watch.queue.put_nowait({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": str(self.rv)}}})
 
 
 @contextlib.asynccontextmanager
@@ -789,6 +867,11 @@ def write_kubeconfig(tmp_path: Path, server: str, user: dict[str, Any] | None = 
 async def _drain(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
     while True:
         yield await queue.get()
+
+
+def _metadata_only(obj: dict[str, Any]) -> dict[str, Any]:
+    """What a real API server sends for ``Accept: ...;as=PartialObjectMetadata``."""
+    return {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": copy.deepcopy(obj["metadata"])}
 
 
 def _name(obj: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from agent.kube.access import in_cluster_access, kube_config_available, kubeconf
 from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
+from agent.kube.listwatch import WatchTiming
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
 
@@ -52,7 +53,8 @@ async def kube(api: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeClient]:
 
 
 def _source(kube: KubeClient, *, sleep: FakeSleep | None = None, **kwargs: Any) -> NodeLabelSource:
-    return NodeLabelSource(kube, node_name=NODE, sleep=sleep or FakeSleep(), clock=lambda: 0.0, **kwargs)
+    timing = WatchTiming(sleep=sleep or FakeSleep(), clock=lambda: 0.0)
+    return NodeLabelSource(kube, node_name=NODE, timing=timing, **kwargs)
 
 
 class Watching:
@@ -326,7 +328,7 @@ async def test_watch_reconnects_after_the_stream_drops(kube: KubeClient, api: Fa
         api.end_watches()
         await sleep.release()
         await api.next_watch()
-        assert len(sleep.delays) == 2 and source.watches == 2
+        assert len(sleep.delays) == 2 and source.watches == 4  # streams opened
     finally:
         await watching.stop()
 
@@ -342,11 +344,18 @@ async def test_gone_relists_and_resumes_from_the_new_version(
         await api.next_watch()
         assert _lists(api) == 1
         api.nodes[NODE]["metadata"]["labels"] = {"pool": "moved-while-away"}  # changed while the watch was away
+        seen = str(api.rv)
         api.expire_watches()
+        # the list waits a backoff drawn with wide jitter: after an API server restart every node
+        # hears 410 at once, and they must not all list in the same second
+        await sleep.release()
+        assert len(sleep.delays) == 1 and 0.5 <= sleep.delays[0] <= 1.5
         assert await watching.next() == {"pool": "moved-while-away"}  # from the relist
         query = await api.next_watch()
         assert _lists(api) == 2 and query["resourceVersion"] == str(api.rv)
-        assert sleep.delays == []  # the first 410 relists at once
+        # the list asked for what the watch had seen ("not older than": the watch cache answers)
+        relist = [r for r in api.requests if r.path == "/api/v1/nodes" and r.query.get("watch") != "true"][-1]
+        assert relist.query["resourceVersion"] == seen
     finally:
         await watching.stop()
 
@@ -411,7 +420,7 @@ async def test_watch_error_event_backs_off_and_retries(kube: KubeClient, api: Fa
 
 async def test_missing_node_in_list_is_an_error_not_a_crash(kube: KubeClient) -> None:
     sleep = FakeSleep()
-    source = NodeLabelSource(kube, node_name="other-node", sleep=sleep, static_labels={"a": "b"})
+    source = NodeLabelSource(kube, node_name="other-node", timing=WatchTiming(sleep=sleep), static_labels={"a": "b"})
     with capture_logs() as logs:
         watching = Watching(source)
         try:

@@ -7,6 +7,7 @@ fake kubelet (grpcio) and a fake PodResources server, the Node's status from the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
@@ -25,7 +26,8 @@ from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatc
 from agent.deviceplugin.registration import Action, Observation, Step, decide
 from agent.kube.access import kubeconfig_access
 from agent.kube.client import KubeClient
-from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, allocatable_of
+from agent.kube.labels import NodeLabelSource
+from agent.kube.nodestatus import NoApiNodeStatus, allocatable_of
 from agent.observe.watchdog import Watchdog
 from tests.dra_fakes import dra_harness
 from tests.fake_apiserver import NODE, serving, write_kubeconfig
@@ -266,33 +268,46 @@ async def test_the_kubelet_still_counting_gpus_while_we_cannot_register_fails_re
 
 
 @pytest.mark.integration
-async def test_node_status_from_the_api_server_is_compared_too(tmp_path: Path) -> None:
+async def test_node_status_from_the_node_watch_is_compared_too(tmp_path: Path) -> None:
+    """The Node's allocatable comes from the Node watch the agent keeps for its labels: no request per round."""
     async with serving() as api, plugin_harness() as h:
         await h.settled()
         kubeconfig = write_kubeconfig(tmp_path, api.url)
         async with KubeClient(kubeconfig_access(kubeconfig)) as client:
-            node = NodeStatusReader(client, node_name=NODE)
+            node = NodeLabelSource(client, node_name=NODE)
+            assert node.status.allocatable is None and "not been read" in node.status.reason
             clock, events = Clock(), Events()
             dog = Watchdog(
                 mechanisms={"device-plugin": h.manager}, node=node, config=config(), events=events, clock=clock
             )
-            await node.refresh()
-            assert node.status.allocatable == {}  # no status posted yet: 0 of ours
-            api.set_allocatable({GPU: "8", "cpu": "64"})
-            await node.refresh()
-            assert node.status.allocatable == {GPU: 8}
-            assert api.requests[-1].query.get("resourceVersion") == "0"  # from the API server's cache
-            dog.evaluate()
-            assert dog.checks == 1 and dog.debug_state()["disagreements"] == []
-            api.set_allocatable({GPU: "7"})
-            await node.refresh()
-            dog.evaluate()
-            clock.now += 30
-            dog.evaluate()
-            assert dog.repairs == 1
-            api.fail(503, times=None, path="/api/v1/nodes")
-            await node.refresh()
-            assert node.status.allocatable is None and "503" in node.status.reason
+            watching = asyncio.create_task(node.watch(lambda labels: None))
+            try:
+                await wait_for(lambda: node.status.allocatable == {}, what="the listed Node")  # 0 of ours yet
+                api.set_allocatable({GPU: "8", "cpu": "64"})
+                await wait_for(lambda: node.status.allocatable == {GPU: 8}, what="the status from the watch")
+                dog.evaluate()
+                assert dog.checks == 1 and dog.debug_state()["disagreements"] == []
+                api.set_allocatable({GPU: "7"})
+                await wait_for(lambda: node.status.allocatable == {GPU: 7}, what="the next status")
+                for _ in range(3):
+                    await node.refresh()  # the watchdog's call each round: nothing to ask
+                    dog.evaluate()
+                clock.now += 30
+                dog.evaluate()
+                assert dog.repairs == 1
+                # the watchdog's rounds asked the API server nothing: one list, one stream
+                assert [(r.method, r.path, r.query.get("watch")) for r in api.requests] == [
+                    ("GET", "/api/v1/nodes", None),
+                    ("GET", "/api/v1/nodes", "true"),
+                ]
+                # a watch that fails makes the status unknown (the node checks are skipped), with the reason
+                api.fail(503, times=None, path="/api/v1/nodes")
+                api.close_watches()
+                await wait_for(lambda: node.status.allocatable is None, what="the failure")
+                assert node.status.reason.startswith("the Node watch is not current: watch ")
+            finally:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
 
 
 # --- DRA ---------------------------------------------------------------------------------------

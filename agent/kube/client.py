@@ -27,7 +27,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -239,13 +239,15 @@ class KubeClient:
         *,
         timeout_s: float | None = None,
         accept: str = JSON,
+        on_open: Callable[[], None] | None = None,
     ) -> AsyncGenerator[dict[str, Any], None]:
         """Yield watch events (``{"type", "object"}``) until the server ends the stream.
 
         The server is asked to end it after ``timeout_s``; a socket silent for
         ``limits.watch_idle_s`` is dropped. An ``ERROR`` event becomes a KubeError
-        (KubeGoneError for 410). Use with ``contextlib.aclosing`` so that leaving the loop
-        early closes the connection.
+        (KubeGoneError for 410). ``on_open`` is called once the server has accepted the watch
+        (before any event). Use with ``contextlib.aclosing`` so that leaving the loop early
+        closes the connection.
         """
         timeout_s = timeout_s or self.limits.watch_timeout_s
         query = {**(params or {}), "watch": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
@@ -263,6 +265,8 @@ class KubeClient:
                 await _raise_for_status(where, resp)
                 opened = True
                 self._metrics.observe("watch", resource_of(path), "ok", time.monotonic() - started)
+                if on_open is not None:
+                    on_open()
                 async for line in _lines(where, resp, self.limits.watch_line_bytes):
                     yield await self._event(where, line)
         except KubeError as exc:

@@ -1,8 +1,12 @@
-"""This node's labels, learned from the API server and followed as they change.
+"""This Node as the API server has it: its labels, its UID and its allocatable, from one watch.
 
 Ownership rules may match nodes by label (``ownership.nodes[].match.labels``) and one
-ConfigMap serves every node, so each agent reads its own Node object. A platform team that
-relabels a node pool (say, to move it to DRA) sees the agents follow within seconds.
+ConfigMap serves every node, so each agent follows its own Node object. A platform team that
+relabels a node pool (say, to move it to DRA) sees the agents follow within seconds. The
+registration watchdog compares the Node's ``status.allocatable`` with what the agent advertises;
+it reads it from the same watch (:attr:`NodeLabelSource.status`), so following the Node costs one
+open stream and no polling: the whole object is watched, because labels alone
+(``PartialObjectMetadata``) carry no status.
 
 ``label_source`` picks the implementation: :class:`NodeLabelSource` on the process's shared
 API client when there is one, else :class:`StaticLabelSource` (labels from the config only).
@@ -10,41 +14,40 @@ Labels set in the config (``node_labels``) win over the API's. A label whose val
 string (a null from a broken server) is dropped with a debug line, never turned into "None".
 
 The DaemonSet's service account needs read access to Node objects (a ClusterRole;
-``config/daemonset.yaml`` carries it)::
+``config/base/rbac.yaml`` carries it)::
 
     rules:
       - apiGroups: [""]
         resources: [nodes]
         verbs: [get, list, watch]
 
-``get`` serves :meth:`NodeLabelSource.fetch`; ``list`` and ``watch`` serve
-:meth:`NodeLabelSource.watch`, which lists the one node (``fieldSelector=metadata.name=``)
-and watches it from the list's resourceVersion, relisting when the server answers
-410 Gone. API errors never escape: the last known labels stay in force, one log line per
-failure streak says why, and retries back off exponentially up to a cap.
+``get`` serves :meth:`NodeLabelSource.fetch` (and the slice publisher's read of the UID);
+``list`` and ``watch`` serve :meth:`NodeLabelSource.watch`, which lists the one node
+(``fieldSelector=metadata.name=``) and follows it as ``agent/kube/listwatch.py`` describes:
+resumed from its resourceVersion, listed again only after 410 Gone, every retry after a backoff
+with jitter. API errors never escape: the last known labels stay in force, and one log line per
+failure streak says why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 import structlog
 
-from agent.base.backoff import Backoff
+from agent.core.mechanism import NodeStatus
 from agent.kube.access import SERVICE_ACCOUNT_DIR, kube_config_available
-from agent.kube.client import METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
-from agent.kube.errors import KubeError, KubeGoneError
+from agent.kube.client import METADATA_ACCEPT, KubeClient
+from agent.kube.errors import KubeError
+from agent.kube.listwatch import PRODUCTION, ListWatch, WatchTiming
+from agent.kube.nodestatus import allocatable_of
 
 log = structlog.get_logger("agent.kube")
 
-Sleep = Callable[[float], Awaitable[None]]
-Clock = Callable[[], float]
 OnChange = Callable[[dict[str, str]], None]
 
 
@@ -67,11 +70,12 @@ class StaticLabelSource:
 
 
 class NodeLabelSource:
-    """Labels of one Node from the API server, merged under ``static_labels``.
+    """This Node from the API server: its labels, merged under ``static_labels``, and its allocatable.
 
     ``fetch`` and ``on_change`` report the same thing: the merged labels. ``on_change`` is
     called from ``watch`` only when they differ from what ``fetch`` or the previous
-    ``on_change`` reported.
+    ``on_change`` reported. :attr:`status` is the Node's ``status.allocatable`` from the same
+    watch, for the registration watchdog (:class:`~agent.kube.nodestatus.NodeStatusSource`).
     """
 
     def __init__(
@@ -80,11 +84,7 @@ class NodeLabelSource:
         *,
         node_name: str,
         static_labels: Mapping[str, str] | None = None,
-        backoff: Backoff | None = None,
-        sleep: Sleep = asyncio.sleep,
-        clock: Clock = time.monotonic,
-        watch_timeout_s: float = 300.0,
-        min_watch_s: float = 1.0,
+        timing: WatchTiming = PRODUCTION,
         owns_client: bool = False,
     ) -> None:
         self._client = client
@@ -92,22 +92,25 @@ class NodeLabelSource:
         self._owns_client = owns_client
         self.node_name = node_name
         self._static = dict(static_labels or {})
-        self._backoff = backoff or Backoff()
-        self._sleep = sleep
-        self._clock = clock
-        self._watch_timeout_s = watch_timeout_s
-        #: a stream that ends cleanly sooner than this, with no events, counts as a failure
-        self._min_watch_s = min_watch_s
         self._api_labels: dict[str, str] = {}
-        #: set once the Node's labels have been read from the API server
+        self._allocatable: dict[str, int] | None = None
+        #: the Node's metadata.uid once read
+        self.uid = ""
+        #: set once the Node has been read from the API server
         self.synced = asyncio.Event()
-        #: where the watch resumes; "" means list first
-        self._resource_version = ""
+        self._on_change: OnChange = lambda labels: None
+        self._watch = ListWatch(
+            client,
+            path="/api/v1/nodes",
+            params={"fieldSelector": f"metadata.name={node_name}"},
+            on_list=self._listed,
+            on_event=self._event,
+            on_error=self._failed,
+            on_recovered=self._recovered,
+            timing=timing,
+        )
         #: the current failure streak's error ("" when the last request worked)
         self.last_error = ""
-        #: completed watch streams and relists, for tests and /debug
-        self.watches = 0
-        self.relists = 0
 
     async def close(self) -> None:
         """Close the client if this source made it itself (``label_source(kubeconfig=...)``)."""
@@ -117,6 +120,34 @@ class NodeLabelSource:
     @property
     def labels(self) -> dict[str, str]:
         return {**self._api_labels, **self._static}
+
+    @property
+    def watches(self) -> int:
+        """Watch streams opened so far."""
+        return self._watch.watches
+
+    @property
+    def relists(self) -> int:
+        return self._watch.lists
+
+    @property
+    def status(self) -> NodeStatus:
+        """The Node's extended allocatable as last watched; unknown while the watch is not fresh."""
+        if self._allocatable is None:
+            return NodeStatus(reason=f"the Node has not been read yet{self._why()}")
+        if not self._watch.fresh():
+            return NodeStatus(reason=f"the Node watch is not current{self._why()}")
+        return NodeStatus(allocatable=dict(self._allocatable))
+
+    async def refresh(self) -> None:
+        """Nothing to do: the watch keeps :attr:`status` current (the watchdog calls this each round)."""
+
+    def debug_state(self) -> dict[str, object]:
+        return {"node": self.node_name, **self._watch.debug_state()}
+
+    def _why(self) -> str:
+        error = self.last_error or self._watch.last_error
+        return f": {error}" if error else ""
 
     async def fetch(self) -> dict[str, str]:
         """GET the Node and return its merged labels; on an API error, the last known ones.
@@ -135,97 +166,38 @@ class NodeLabelSource:
         return self.labels
 
     async def watch(self, on_change: OnChange) -> None:
-        """List, then watch the Node until cancelled, calling ``on_change`` on every change."""
+        """List, then watch the Node until cancelled, calling ``on_change`` on every label change."""
+        self._on_change = on_change
         try:
-            await self._watch(on_change)
+            await self._watch.run()
         finally:
             await self.close()
 
-    async def _watch(self, on_change: OnChange) -> None:
-        attempt = 0
-        gone_in_a_row = 0
-        while True:
-            try:
-                if not self._resource_version:
-                    await self._list(on_change)
-                started = self._clock()
-                events = await self._follow(on_change)
-            except KubeGoneError as exc:
-                # the resourceVersion is older than the server's window: list again, at once the
-                # first time; a server that keeps answering 410 gets the ordinary backoff
-                gone_in_a_row += 1
-                self._resource_version = ""
-                log.info("node watch expired, listing again", node=self.node_name, reason=str(exc))
-                if gone_in_a_row > 1:
-                    attempt += 1
-                    await self._sleep(self._backoff.delay(attempt))
-                continue
-            except KubeError as exc:
-                self._failed(exc)
-                attempt += 1
-                await self._sleep(self._backoff.delay(attempt))
-                continue
-            gone_in_a_row = 0
-            self.watches += 1
-            if events or self._clock() - started >= self._min_watch_s:
-                attempt = 0
-                self._recovered()
-            else:
-                # ended cleanly but at once: something between us and the server closes streams
-                attempt += 1
-                log.debug("node watch ended at once", node=self.node_name, attempt=attempt)
-                await self._sleep(self._backoff.delay(attempt))
-
-    async def _list(self, on_change: OnChange) -> None:
-        """List the one Node, apply its labels and watch from the list's resourceVersion."""
-        body = await self._client.list(
-            "/api/v1/nodes", {"fieldSelector": f"metadata.name={self.node_name}"}, accept=METADATA_LIST_ACCEPT
-        )
-        items = body.get("items")
-        if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+    def _listed(self, items: list[Any]) -> None:
+        if not items or not isinstance(items[0], dict):
             raise KubeError(f"GET {self._client.server}/api/v1/nodes: node {self.node_name!r} not found", status=404)
-        self.relists += 1
-        self._apply(_labels_of(items[0]), on_change)
+        self._apply(items[0])
         self.synced.set()
-        metadata = body.get("metadata")
-        version = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
-        self._resource_version = str(version or _resource_version(items[0]))
 
-    async def _follow(self, on_change: OnChange) -> int:
-        """Follow one watch stream from the current resourceVersion; return the event count.
+    def _event(self, kind: str, obj: dict[str, Any]) -> None:
+        if kind in ("ADDED", "MODIFIED"):
+            self._apply(obj)
+        elif kind == "DELETED":
+            log.warning("node object deleted; keeping its last known labels", node=self.node_name)
 
-        The resourceVersion advances with every event, so a stream that breaks resumes
-        where it stopped.
-        """
-        params = {
-            "fieldSelector": f"metadata.name={self.node_name}",
-            "resourceVersion": self._resource_version,
-            "allowWatchBookmarks": "true",
-        }
-        events = 0
-        stream = self._client.watch("/api/v1/nodes", params, timeout_s=self._watch_timeout_s, accept=METADATA_ACCEPT)
-        async with contextlib.aclosing(stream) as stream_events:
-            async for event in stream_events:
-                events += 1
-                if events == 1:
-                    self._recovered()
-                kind, obj = event.get("type"), event["object"]
-                if kind in ("ADDED", "MODIFIED"):
-                    self._apply(_labels_of(obj), on_change)
-                elif kind == "DELETED":
-                    log.warning("node object deleted; keeping its last known labels", node=self.node_name)
-                self._resource_version = _resource_version(obj) or self._resource_version
-        return events
-
-    def _apply(self, api_labels: dict[str, str], on_change: OnChange) -> None:
+    def _apply(self, node: Mapping[str, Any]) -> None:
+        metadata = node.get("metadata")
+        uid = metadata.get("uid") if isinstance(metadata, dict) else None
+        self.uid = uid if isinstance(uid, str) else self.uid
+        self._allocatable = allocatable_of(node)
         before = self.labels
-        self._api_labels = api_labels
+        self._api_labels = _labels_of(node)
         after = self.labels
         if after == before:
             return
         changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
         log.info("node labels changed", node=self.node_name, keys=changed)
-        on_change(after)
+        self._on_change(after)
 
     def _failed(self, exc: KubeError) -> None:
         if self.last_error:
@@ -258,11 +230,6 @@ def _labels_of(obj: Mapping[str, Any]) -> dict[str, str]:
         else:
             log.debug("node label dropped: its value is not a string", key=str(key)[:80], value=repr(value)[:40])
     return out
-
-
-def _resource_version(obj: Mapping[str, Any]) -> str:
-    metadata = obj.get("metadata")
-    return str(metadata.get("resourceVersion") or "") if isinstance(metadata, dict) else ""
 
 
 def label_source(

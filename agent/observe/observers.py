@@ -5,7 +5,10 @@
 * :class:`~agent.observe.watchdog.Watchdog`: what the agent advertises against what the node shows.
 
 Each runs as a root task (:meth:`Observers.roots`) and reads the mechanisms only through
-:class:`~agent.core.mechanism.Mechanism`. Without API access (``kube`` None) the orphan check and the
+:class:`~agent.core.mechanism.Mechanism`. What they need from the API server is pushed to them: the
+orphan check reads this node's pods from one watch (``agent/kube/pods.py``, a root task of its own
+once the node has GPUs), and the watchdog reads the Node's allocatable from the Node watch the
+agent keeps for its labels (``node``). Without API access (``kube`` None) the orphan check and the
 watchdog still run on what needs no API (CDI claim specs; the kubelet's PodResources view).
 """
 
@@ -24,8 +27,8 @@ from agent.core.mechanism import Mechanism
 from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import NoApiClaims
 from agent.kube.client import KubeClient
-from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusReader, NodeStatusSource
-from agent.kube.pods import KubePods, NoApiPods, PodLookup
+from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusSource
+from agent.kube.pods import NoApiPods, NodePods, PodLookup
 from agent.observe.orphans import ClaimSpecListing, OrphanDetector
 from agent.observe.utilization import UtilizationSampler
 from agent.observe.watchdog import Watchdog
@@ -36,9 +39,22 @@ class Observers:
     utilization: UtilizationSampler
     orphans: OrphanDetector
     watchdog: Watchdog
+    #: this node's pods, for the orphan check
+    pods: PodLookup
+    #: waits until the node has GPUs (a node without GPUs watches nothing)
+    has_gpus: Callable[[], Awaitable[None]]
 
     def roots(self) -> dict[str, Callable[[], Awaitable[None]]]:
-        return {"utilization": self.utilization.run, "orphans": self.orphans.run, "watchdog": self.watchdog.run}
+        return {
+            "utilization": self.utilization.run,
+            "orphans": self.orphans.run,
+            "watchdog": self.watchdog.run,
+            "node-pods": self._watch_pods,
+        }
+
+    async def _watch_pods(self) -> None:
+        await self.has_gpus()
+        await self.pods.run()
 
     def debug_state(self) -> dict[str, object]:
         return {
@@ -65,9 +81,16 @@ def build_observers(
     claims: ClaimSource | None = None,
     claim_specs: ClaimSpecListing | None = None,
     events: EventSink | None = None,
+    node: NodeStatusSource | None = None,
 ) -> Observers:
-    pods: PodLookup = KubePods(kube) if kube is not None else NoApiPods()
-    node: NodeStatusSource = NodeStatusReader(kube, node_name=node_name) if kube is not None else NoApiNodeStatus()
+    """``node``: the Node's status (the Node watch); without it the watchdog's node checks are skipped."""
+    pods: PodLookup = NodePods(kube, node_name=node_name) if kube is not None else NoApiPods()
+
+    async def has_gpus() -> None:
+        with inventory.changes.subscribe() as changes:
+            while not inventory.current.gpus:
+                await changes.get()
+
     return Observers(
         utilization=UtilizationSampler(
             backend=backend,
@@ -87,10 +110,12 @@ def build_observers(
         ),
         watchdog=Watchdog(
             mechanisms=mechanisms,
-            node=node,
+            node=node or NoApiNodeStatus(),
             config=config,
             has_gpus=lambda: bool(inventory.current.gpus),
             events=events,
             registry=registry,
         ),
+        pods=pods,
+        has_gpus=has_gpus,
     )

@@ -1,7 +1,7 @@
 """The registration watchdog: what the agent advertises against what the node really shows.
 
-Every ``watchdog.interval_s`` it reads the Node's ``status.allocatable`` (one cached GET,
-``agent/kube/nodestatus.py``) and asks each mechanism for its
+Every ``watchdog.interval_s`` it takes the Node's ``status.allocatable`` as the Node watch last
+brought it (``agent/kube/labels.py``: no request of its own) and asks each mechanism for its
 :class:`~agent.core.mechanism.RegistrationCheck` s: the device plugin compares the healthy devices of
 each resource with the kubelet's ``GetAllocatableResources`` and with the Node's count; DRA
 compares the devices its pool should hold with those its ResourceSlices hold. A check whose

@@ -116,11 +116,14 @@ class Agent:
         return uses_label_rules(self.config_state.config.ownership) and not self.labels.synced.is_set()
 
     def labels_state(self) -> dict[str, object]:
-        return {
+        state: dict[str, object] = {
             "source": "api" if isinstance(self.labels, NodeLabelSource) else "config",
             "synced": self.labels.synced.is_set(),
             "last_error": self.labels.last_error,
         }
+        if isinstance(self.labels, NodeLabelSource):
+            state["watch"] = self.labels.debug_state()
+        return state
 
     def backend_state(self) -> dict[str, object]:
         return {"name": self.backend.name, **self.backend.status()}

@@ -91,6 +91,7 @@ async def build_rest(
         claims=claims,
         claim_specs=ClaimSpecDirectory(config.paths.cdi_root, config.cdi.claim_kind) if config.cdi.enabled else None,
         events=events,
+        node=labels if isinstance(labels, NodeLabelSource) else None,
     )
     agent = build_agent(
         config_state=core.config_state,

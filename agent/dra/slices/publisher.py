@@ -9,8 +9,9 @@
   slices 30 s after the driver goes away);
 * the *sync* loop, the only writer: it computes the desired pool (``agent/dra/slices/plan.py``),
   compares it with :attr:`_slices` and writes only the difference. Errors never escape: a
-  conflict re-reads and retries, an outage backs off exponentially (0.5 s to 30 s), and the
-  last error shows on ``/readyz`` and ``/debug/state``.
+  conflict re-reads and retries, an outage backs off exponentially (1 s to 30 s, each delay drawn
+  from half to one and a half of it, so a fleet does not retry in step), and the last error shows
+  on ``/readyz`` and ``/debug/state``.
 
 Device taints are used only where the cluster keeps them: the first time a device is unhealthy,
 a dry-run create with a tainted device shows whether the server drops the field (gate
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from datetime import UTC, datetime
@@ -57,6 +59,7 @@ from agent.dra.slices.plan import (
 from agent.kube.client import METADATA_ACCEPT, KubeClient
 from agent.kube.discovery import ResourceApi
 from agent.kube.errors import KubeConflictError, KubeError, KubeGoneError, KubeNotFoundError
+from agent.kube.listwatch import WATCH_BACKOFF
 
 log = structlog.get_logger("agent.dra.slices")
 
@@ -126,7 +129,9 @@ class KubeSlicePublisher:
         self._ownership = node.ownership
         self._health = node.health
         self._api = resource_api or ResourceApi(client)
-        self._backoff = backoff or Backoff()
+        #: retries of writes and of the watch, with wide jitter: after an API server restart every
+        #: node's publisher retries at once
+        self._backoff = backoff or WATCH_BACKOFF
         self._sleep = sleep
         self._watch_timeout_s = watch_timeout_s
         self._min_watch_s = min_watch_s
@@ -513,7 +518,10 @@ class KubeSlicePublisher:
                         attempt = 0
                         self._on_event(event, version)
             except KubeGoneError:
+                # list again, after a backoff: every node hears this at once when an API server restarts
                 self._watch_rv = ""
+                attempt += 1
+                await self._sleep(self._backoff.delay(attempt))
                 continue
             except KubeError as exc:
                 if isinstance(exc, KubeNotFoundError) and not exc.object_missing and version:
@@ -529,7 +537,10 @@ class KubeSlicePublisher:
 
     def _events(self, version: str) -> AsyncGenerator[dict[str, Any], None]:
         params = {**self._selector(), "resourceVersion": self._watch_rv, "allowWatchBookmarks": "true"}
-        return self._client.watch(self._api.path(version, RESOURCE), params, timeout_s=self._watch_timeout_s)
+        # a timeout drawn per stream (1 to 2 times the minimum, as client-go's reflector does): the
+        # streams of a fleet started together do not all end together
+        timeout_s = self._watch_timeout_s * (1.0 + random.random())
+        return self._client.watch(self._api.path(version, RESOURCE), params, timeout_s=timeout_s)
 
     def _on_event(self, event: dict[str, Any], version: str) -> None:
         kind, obj = event["type"], event["object"]
