@@ -48,6 +48,7 @@ from agent.kube.errors import KubeConflictError, KubeError, KubeGoneError, KubeN
 from agent.kube.metrics import KubeMetrics
 
 JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
 #: ask for metadata only (labels live there), fall back to the full object
 METADATA_ACCEPT = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json"
 METADATA_LIST_ACCEPT = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
@@ -181,6 +182,9 @@ class KubeClient:
     async def replace(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         """PUT ``body`` (with ``metadata.resourceVersion`` for a conditional update)."""
         return await self._call("update", "PUT", path, None, body)
+
+    async def patch(self, path: str, body: Mapping[str, Any], *, content_type: str = MERGE_PATCH) -> dict[str, Any]:
+        return await self._call("patch", "PATCH", path, None, body, content_type=content_type)
 
     async def delete(self, path: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """DELETE, optionally with DeleteOptions (preconditions)."""
