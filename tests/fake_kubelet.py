@@ -78,6 +78,9 @@ class PluginClient:
         self.stub = pb_grpc.DevicePluginStub(channel)
         self.messages = 0
         self.devices: list[pb.Device] = []
+        #: the number of devices in each message, in order (an empty first one is a wrong answer:
+        #: the kubelet takes it as "no GPUs here" and fails every pod it admits meanwhile)
+        self.counts: list[int] = []
         self.opened_at: float | None = None
         self.ended = False
         self.end_reason = ""
@@ -97,6 +100,7 @@ class PluginClient:
                         self.opened_at = time.monotonic()
                     self.messages += 1
                     self.devices = list(response.devices)
+                    self.counts.append(len(response.devices))
             self.end_reason = "OK"
         except grpc.RpcError as exc:
             self.end_reason = f"{exc.code()}"  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ from agent.base.backoff import Backoff
 from agent.base.errors import StartupError
 from agent.cdi.service import CdiProvider
 from agent.core.config.schema import Config, Owner
-from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, SchedulerView, Usage
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
@@ -221,6 +221,10 @@ class DraMechanism:
                     )
                 )
         return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=time.monotonic())
+
+    def scheduler_view(self) -> SchedulerView:
+        """The scheduler reads ResourceSlices directly: a GPU left out of them is closed at once."""
+        return SchedulerView()
 
     def registration_checks(self, node: NodeStatus) -> list[RegistrationCheck]:
         """The devices the pool should hold against those its ResourceSlices hold (the publisher's view)."""

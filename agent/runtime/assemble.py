@@ -28,6 +28,8 @@ from agent.core.mechanism import Mechanism
 from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover, Observed
 from agent.core.ownership.handover_events import HandoverEvents
+from agent.core.ownership.record import RecordKeeper
+from agent.core.ownership.table import OwnershipTable
 from agent.dra.mechanism import build_dra
 from agent.dra.slices.noapi import NoApiPublisher
 from agent.dra.slices.publisher import KubeSlicePublisher
@@ -104,6 +106,8 @@ async def build_rest(
         labels=labels,
         events=events,
         observers=observers,
+        record=core.record,
+        resume=core.seed,
     )
     agent.handover.set_desired(agent.compute_ownership(core.loaded))
     log.info(
@@ -156,13 +160,20 @@ def build_agent(
     labels: NodeLabelSource | StaticLabelSource | None = None,
     events: EventSink | None = None,
     observers: Observers | None = None,
+    record: RecordKeeper | None = None,
+    resume: OwnershipTable | None = None,
 ) -> Agent:
-    """The agent with its handover, observers, loop-lag probe and scrape-time collectors."""
+    """The agent with its handover, observers, loop-lag probe and scrape-time collectors.
+
+    ``record`` keeps the durable record of the device plugin's grants, ``resume`` the grants
+    phase 1 made from it (see :mod:`agent.core.ownership.record`)."""
     handover = Handover(
         ownership=node.ownership,
         observe={mechanism.owner: functools.partial(observe, mechanism) for mechanism in mechanisms.values()},
         listener=HandoverEvents(events=events, registry=registry),
         long_wait_s=config_state.config.ownership.handover_warning_s,
+        record=record,
+        resume=resume,
     )
     # without API access unless given: utilization, orphans and the watchdog on what needs none
     observers = observers or build_observers(
@@ -200,8 +211,10 @@ def build_agent(
 
 
 def observe(mechanism: Mechanism) -> Observed:
-    """What the handover sees of one mechanism: who uses which GPU, and what it advertises."""
-    return Observed(mechanism.usage(), mechanism.advertised_gpus())
+    """What the handover sees of one mechanism: who uses which GPU, what it advertises, and which
+    GPUs it still serves that the scheduler no longer counts on."""
+    view = mechanism.scheduler_view()
+    return Observed(mechanism.usage(), mechanism.advertised_gpus(), closed=view.closed, closing_note=view.note)
 
 
 async def wait_ready(agent: Agent, ready: asyncio.Event) -> None:

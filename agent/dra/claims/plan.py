@@ -5,9 +5,10 @@ prepare, or the one :class:`~agent.dra.claims.errors.ClaimError` that stops it. 
 order: the claim exists, its UID is the one the kubelet asked for (a claim deleted and
 re-created under the same name is another claim), it is allocated, it has results of this
 driver, each of them is in this node's pool, names a device of this node, whose GPU is
-granted to DRA and healthy (unknown health is not healthy), and this driver's opaque configs
-parse. Whether a device is free is not decided here: that needs the prepared claims and
-the batch in flight (see :mod:`agent.dra.claims.driver`).
+granted to DRA (or still draining away from it: the scheduler allocated it from a slice that
+still listed it, and the drain waits for the claim) and healthy (unknown health is not
+healthy), and this driver's opaque configs parse. Whether a device is free is not decided
+here: that needs the prepared claims and the batch in flight (see :mod:`agent.dra.claims.driver`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from agent.core.config.schema import Owner
 from agent.core.health.model import HealthState
 from agent.core.health.monitor import HealthMonitor
 from agent.core.ownership.table import OwnershipTable
@@ -90,8 +90,8 @@ def _check(
     device = devices.get(result.device)
     if device is None:
         raise ClaimError(Reason.DEVICE_UNKNOWN, f"{where}: no such device of driver {driver} on this node")
-    if not ownership.granted_to(device.uuid, Owner.DRA):
-        owner = ownership.owner_of(device.uuid).value
+    if not ownership.dra_may_prepare(device.uuid):
+        owner = ownership.state_of(device.uuid)
         raise ClaimError(
             Reason.NOT_DRA_OWNED, f"{where}: GPU {device.gpu_uuid} is not given to DRA on this node (owner: {owner})"
         )
