@@ -286,3 +286,51 @@ async def test_a_handover_waits_for_the_pods_and_the_claims_then_moves(node: Nod
         finally:
             pump.cancel()
             await channel.close()
+
+
+async def test_a_gpu_leaves_the_device_plugin_only_once_the_node_no_longer_counts_it(node: Node) -> None:
+    """GPU 5 moves to DRA. The kubelet (its device manager) keeps it until the Node in the API no
+    longer counts it, and the kubelet's own status write in between, computed while GPU 5 was still
+    listed, does not let it go early: at no moment does the kubelet lack a GPU the scheduler still
+    counts on. (A real kubelet writes the Node only every 10 s: without the agent's patch the
+    scheduler would bind pods to GPU 5 for that long, and the kubelet would refuse them.)"""
+    await asyncio.to_thread(node.agent.wait_port)
+    await node.register_dra()
+    uuids = [d["uuid"] for d in sorted(node.agent.state()["devices"], key=lambda d: d["index"])]
+
+    def kubelet_lists() -> set[str]:
+        process = node.kubelet.current
+        client = process.clients.get("nvidia.com/gpu") if process is not None else None
+        return {d.ID for d in client.devices} if client is not None else set()
+
+    def node_counts() -> int:
+        return int(node.api.nodes[NODE]["status"]["allocatable"]["nvidia.com/gpu"])
+
+    await eventually(lambda: kubelet_lists() == set(uuids[4:]), "the device plugin's four GPUs at the kubelet")
+    node.api.set_allocatable({"nvidia.com/gpu": "4", "cpu": "8"})  # the kubelet's next status sync
+    samples: list[tuple[int, bool]] = []
+    reverted = False
+
+    async def sample() -> None:
+        nonlocal reverted
+        while True:
+            samples.append((node_counts(), uuids[5] in kubelet_lists()))
+            if not reverted and node_counts() == 3:
+                node.api.set_allocatable({"nvidia.com/gpu": "4", "cpu": "8"})  # a status sync from before
+                reverted = True
+            await asyncio.sleep(0.002)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        config = node.root / "config.yaml"
+        config.write_text(SPLIT.replace('"3": dra}', '"3": dra, "5": dra}'))
+        await eventually(lambda: uuids[5] not in kubelet_lists(), "GPU 5 gone from ListAndWatch")
+        await eventually(lambda: uuids[5] in node.published_uuids(), "GPU 5 in a slice")
+    finally:
+        sampler.cancel()
+    assert reverted and node.api.node_status_patches, "the Node was lowered by the agent, twice"
+    assert all(count <= 3 for count, listed in samples if not listed), "a GPU the kubelet lacks was still counted"
+    assert (4, True) in samples and (3, True) in samples  # listed while the Node was lowered: closing
+    assert node.api.nodes[NODE]["status"]["allocatable"]["cpu"] == "8"  # nothing else touched
+    patched = [p["status"]["allocatable"] for p in node.api.node_status_patches]
+    assert patched == [{"nvidia.com/gpu": "3"}, {"nvidia.com/gpu": "3"}]

@@ -201,8 +201,17 @@ class PluginManager:
         self._given_up = result.given_up
         return result.view
 
+    def use_node_counts(self, node_counts: NodeCounts) -> None:
+        """Lower the Node's counts through ``node_counts`` from now on (phase 2 brings the API client)."""
+        self.node_counts = node_counts
+        self._push_ceilings()
+
     def _push_ceilings(self) -> None:
-        """Tell the Node gate what the scheduler may count now (no I/O)."""
+        """Tell the Node gate what the scheduler may count now (no I/O); not before this start's
+        grants are known (lowering the Node to a list that is still being decided would send the
+        scheduler's ``nvidia.com/gpu`` pods to DRA until the kubelet's next status sync)."""
+        if not self._ownership.decided.is_set():
+            return
         self.node_counts.lower_to(node_ceilings(self._plan.resources, self._ownership.current, self._health))
 
     def _device_usage(self) -> DeviceUsage:
@@ -307,6 +316,7 @@ class PluginManager:
                     tg.create_task(self._watch_inventory(inventory_changes), name="plugin-watch-inventory")
                     tg.create_task(self._watch_health(), name="plugin-watch-health")
                     tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
+                    tg.create_task(self._when_decided(), name="plugin-grants-decided")
                     if self.pod_resources is not None:
                         tg.create_task(self.pod_resources.run(), name="plugin-pod-resources")
         finally:
@@ -426,6 +436,12 @@ class PluginManager:
                 await changes.get()
                 changes.drain()
                 self._notify_all()
+
+    async def _when_decided(self) -> None:
+        """The Node gate hears the ceilings once this start's grants are known; then idle."""
+        await self._ownership.decided.wait()
+        self._push_ceilings()
+        await asyncio.Event().wait()
 
     async def _watch_ownership(self) -> None:
         with self._ownership.changes.subscribe() as changes:

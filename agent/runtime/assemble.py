@@ -37,6 +37,7 @@ from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
+from agent.kube.nodecounts import NodeCountsGuard
 from agent.kube.recorder import EventRecorder
 from agent.kube.session import open_kube
 from agent.observe.debug.server import DebugContext, serve_debug
@@ -57,6 +58,7 @@ async def build_rest(
     kube = await stack.enter_async_context(open_kube(config, registry=registry))
     labels = label_source(client=kube, node_name=node_name, static_labels={})
     events: EventRecorder | None = None
+    node_counts: NodeCountsGuard | None = None
     publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
     if kube is not None:
@@ -71,6 +73,8 @@ async def build_rest(
         )
         claims = KubeClaimSource(client=kube, resource_api=resources)
         events = EventRecorder(client=kube, node_name=node_name, registry=registry)
+        node_counts = NodeCountsGuard(kube, node_name=node_name)
+        core.plugin.use_node_counts(node_counts)
     # loads the DRA checkpoint and tells CDI which claim specs to keep: before CDI reconciles
     dra = await build_dra(
         config,
@@ -142,6 +146,8 @@ async def build_rest(
         roots[name] = functools.partial(agent.serve, name, mechanism)
     if events is not None:
         roots["kube-events"] = events.run
+    if node_counts is not None:
+        roots["node-counts"] = node_counts.run
     if options.config_path is not None:
         watcher = ConfigWatcher(path=options.config_path, overrides=options.overrides, state=core.config_state)
         roots["config-watch"] = watcher.run

@@ -283,7 +283,9 @@ class Handover:
         granted = next_grants(self._desired, self._granted, self.observations(), now, recorded=recorded)
         self._report(self._granted, granted, now)
         self._granted = granted
-        if self._ownership.update(granted, self._desired):
+        # this start's grants are known once nothing the device plugin should have waits on a doubt
+        decided = not any(d.derived and d.target is Owner.DEVICE_PLUGIN for d in granted.draining.values())
+        if self._ownership.update(granted, self._desired, decided=decided):
             self._kick.set()  # look again at once: the mechanisms act on the new grants now
         if self.record is not None:
             gpus = granted.gpus()

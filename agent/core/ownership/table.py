@@ -206,9 +206,10 @@ class OwnershipState:
     else, desired and granted are the same table and the grants count as decided.
     :attr:`decided` is set once the grants of this start are known: at once when the grants made
     from the durable record cover every GPU the config gives the device plugin (``decided=True``),
-    else at the handover's first evaluation. The device plugin holds its first ListAndWatch
-    answer until then (bounded), so the kubelet never hears "no GPUs" from a plugin whose GPUs
-    are a moment away.
+    else by the handover once no GPU the config gives the device plugin waits on a drain derived
+    at start (a doubt, not a holder: usually the slices of an earlier run, not listed yet). The
+    device plugin holds its first ListAndWatch answer until then (bounded), so the kubelet never
+    hears "no GPUs" from a plugin whose GPUs are a moment away.
     """
 
     def __init__(self, table: OwnershipTable | None = None, *, decided: bool | None = None) -> None:
@@ -221,12 +222,15 @@ class OwnershipState:
         if decided:
             self.decided.set()
 
-    def update(self, granted: OwnershipTable, desired: OwnershipTable | None = None) -> bool:
-        """Install a granted table; returns whether any grant changed (and only then publishes)."""
+    def update(self, granted: OwnershipTable, desired: OwnershipTable | None = None, *, decided: bool = True) -> bool:
+        """Install a granted table; returns whether any grant changed (and only then publishes).
+
+        ``decided``: this start's grants are known (see :attr:`decided`; never unset)."""
         changed = dict(granted.owners) != dict(self.current.owners) or _phases(granted) != _phases(self.current)
         self.current = granted
         self.desired = desired or granted
-        self.decided.set()
+        if decided:
+            self.decided.set()
         if changed:
             self.changes.publish(granted)
         return changed
