@@ -334,3 +334,31 @@ async def test_a_gpu_leaves_the_device_plugin_only_once_the_node_no_longer_count
     assert node.api.nodes[NODE]["status"]["allocatable"]["cpu"] == "8"  # nothing else touched
     patched = [p["status"]["allocatable"] for p in node.api.node_status_patches]
     assert patched == [{"nvidia.com/gpu": "3"}, {"nvidia.com/gpu": "3"}]
+
+
+async def test_a_claim_allocated_from_the_old_slice_is_prepared_and_held_not_stranded(node: Node) -> None:
+    """Seen on a real cluster: GPU 0 moves from DRA to the device plugin while the scheduler
+    allocates a claim from the slice that still lists it; the kubelet asks for it only later. The
+    agent finds the claim through the node's pods, keeps GPU 0 draining for it, and prepares it."""
+    await asyncio.to_thread(node.agent.wait_port)
+    endpoint = await node.register_dra()
+    await eventually(lambda: node.published() == {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}, "the DRA GPUs in a slice")
+    ref = node.claim("late", "gpu-0", "uid-late")  # allocated from the slice with gpu-0 in it
+    pod = node.api.add_pod("ml", "pod-late", uid="pod-uid-late")
+    pod["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": "late"}]
+    config = node.root / "config.yaml"
+    config.write_text(SPLIT.replace('"0": dra, ', ""))  # GPU 0 to the device plugin
+    await eventually(lambda: "gpu-0" not in node.published(), "GPU 0 out of the slice")
+
+    def gpu0() -> dict[str, Any]:
+        return dict(node.agent.state()["devices"][0])
+
+    await eventually(lambda: "claim ml/late" in (gpu0()["draining"] or {}).get("waiting_for", ""), "held by it")
+    async with grpc.aio.insecure_channel(f"unix://{endpoint}") as dra:
+        stub = dra_grpc.DRAPluginStub(dra)
+        answer = await stub.NodePrepareResources(dra_pb.NodePrepareResourcesRequest(claims=[ref]), timeout=45)
+        assert answer.claims["uid-late"].error == "", answer.claims["uid-late"].error
+        assert gpu0()["owner"] == "draining:dra->device-plugin"
+        await stub.NodeUnprepareResources(dra_pb.NodeUnprepareResourcesRequest(claims=[ref]), timeout=45)
+    node.api.delete_pod("ml", "pod-late")
+    await eventually(lambda: gpu0()["owner"] == "device-plugin", "GPU 0 with the device plugin")

@@ -117,8 +117,9 @@ def test_a_new_target_keeps_the_drain_and_its_start() -> None:
 
 def test_a_gpu_granted_to_nobody_still_waits_for_whoever_advertises_it() -> None:
     """At start DRA's slices are unknown (it may list every GPU). The config gives GPU-0 to DRA (a
-    drain from the device plugin, which cannot tell yet), then to nobody: that drain completes once
-    the device plugin let go, while DRA may still list the GPU. Granting it on must wait for that."""
+    drain from the device plugin, which cannot tell yet), then to nobody: once the device plugin let
+    go, that drain (derived at start) goes on waiting on DRA, which may still list the GPU (and a
+    claim the scheduler allocated from that list must not be stranded). Granting it on waits too."""
     stale = frozenset({"GPU-0", "GPU-1", "GPU-2", "GPU-3"})
     step = next_grants(desired("device-plugin"), None, {DP: seen(known=False), DRA: seen(advertised=stale)}, now=0.0)
     assert step.state_of("GPU-0") == "draining:dra->device-plugin"
@@ -126,7 +127,8 @@ def test_a_gpu_granted_to_nobody_still_waits_for_whoever_advertises_it() -> None
     assert step.state_of("GPU-0") == "draining:device-plugin->dra"
     observed = {DP: seen(as_of=2.0), DRA: seen(advertised=stale)}
     step = next_grants(desired("device-plugin", {"0": "none"}), step, observed, now=2.0)
-    assert step.state_of("GPU-0") == "none"
+    assert step.state_of("GPU-0") == "draining:dra->none"
+    assert step.dra_may_prepare("GPU-0")  # waiting on DRA alone: a claim it allocated is honoured
     step = next_grants(desired("device-plugin"), step, observed, now=3.0)
     assert step.state_of("GPU-0") == "draining:dra->device-plugin"
     assert step.draining["GPU-0"].waiting_for == "dra still advertises it"

@@ -27,6 +27,7 @@ from agent.core.config.schema import Config, Owner
 from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, SchedulerView, Usage
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
+from agent.dra.claims.allocated import AllocatedClaims, PodClaimLister
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
 from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
 from agent.dra.claims.prepared import PreparedClaims
@@ -88,6 +89,8 @@ class DraTuning:
     backoff: Backoff = SERVE_BACKOFF
     health_resend_s: float = RESEND_S
     health_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
+    #: the monotonic clock the mechanism's observations are stamped with (the handover's)
+    clock: Callable[[], float] = time.monotonic
 
 
 class DraMechanism:
@@ -102,9 +105,14 @@ class DraMechanism:
         registration: RegistrationState,
         publisher: SlicePublisher,
         ownership: OwnershipState,
+        allocated: AllocatedClaims,
         backoff: Backoff = SERVE_BACKOFF,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
         self.driver = driver
+        #: claims allocated on our devices and not prepared yet (looked for while a GPU drains away)
+        self.allocated = allocated
         self.plugin = plugin
         self.feed = feed
         self.registration = registration
@@ -129,6 +137,7 @@ class DraMechanism:
                 tg.create_task(self.plugin.run(), name="dra-plugin")
                 tg.create_task(self.feed.run(), name="dra-health-feed")
                 tg.create_task(self.publisher.run(), name="dra-slices")
+                tg.create_task(self.allocated.run(), name="dra-allocated-claims")
         finally:
             await self.driver.close()
 
@@ -220,7 +229,17 @@ class DraMechanism:
                         devices=tuple(p.device.name for p in planned if p.device.gpu_uuid == gpu),
                     )
                 )
-        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=time.monotonic())
+        now = self._clock()
+        if not self.allocated.needed():
+            return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=now)
+        # a GPU drains away: claims the scheduler allocated on it and the kubelet has not had
+        # prepared yet hold it too; the observation is as old as the pod list it comes from
+        view = self.allocated.view()
+        if not view.known:
+            return Usage(known=False, reason=view.reason)
+        for gpu, allocated in view.holders.items():
+            holders.setdefault(gpu, []).extend(allocated)
+        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=min(now, view.as_of))
 
     def scheduler_view(self) -> SchedulerView:
         """The scheduler reads ResourceSlices directly: a GPU left out of them is closed at once."""
@@ -295,11 +314,14 @@ async def build_dra(
     node_name: str,
     boot_id: str | None = None,
     tuning: DraTuning = DraTuning(),
+    pods: PodClaimLister | None = None,
 ) -> DraMechanism:
     """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
 
     A state directory that cannot be read at all leaves the mechanism not ready (it retries
-    in ``run``); a corrupt checkpoint is moved aside and rebuilt instead.
+    in ``run``); a corrupt checkpoint is moved aside and rebuilt instead. ``pods`` lists the
+    claims of this node's pods (None without API access: nothing can be allocated from slices
+    that are never published).
     """
     driver_name = config.dra.driver_name
     metrics = DraMetrics(registry)
@@ -334,8 +356,20 @@ async def build_dra(
         registration_handlers=[RegistrationServicer(registration, metrics, on_registered=publisher.kick)],
         backoff=tuning.backoff,
     )
+    allocated = AllocatedClaims(
+        pods=pods,
+        claims=claims,
+        driver=driver_name,
+        pool=node_name,
+        gpu_of=driver.gpu_of_device,
+        prepared=prepared,
+        ownership=node.ownership,
+        clock=tuning.clock,
+    )
     mechanism = DraMechanism(
         driver=driver,
+        allocated=allocated,
+        clock=tuning.clock,
         plugin=plugin,
         feed=feed,
         registration=registration,

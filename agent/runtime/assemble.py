@@ -38,6 +38,7 @@ from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
 from agent.kube.nodecounts import NodeCountsGuard
+from agent.kube.podclaims import NodePodClaims
 from agent.kube.recorder import EventRecorder
 from agent.kube.session import open_kube
 from agent.observe.debug.server import DebugContext, serve_debug
@@ -61,6 +62,7 @@ async def build_rest(
     node_counts: NodeCountsGuard | None = None
     publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
+    pods: NodePodClaims | None = None
     if kube is not None:
         resources = ResourceApi(kube)
         publisher = KubeSlicePublisher(
@@ -74,6 +76,7 @@ async def build_rest(
         claims = KubeClaimSource(client=kube, resource_api=resources)
         events = EventRecorder(client=kube, node_name=node_name, registry=registry)
         node_counts = NodeCountsGuard(kube, node_name=node_name)
+        pods = NodePodClaims(kube, node_name=node_name)
         core.plugin.use_node_counts(node_counts)
     # loads the DRA checkpoint and tells CDI which claim specs to keep: before CDI reconciles
     dra = await build_dra(
@@ -84,6 +87,7 @@ async def build_rest(
         cdi=core.cdi,
         registry=registry,
         node_name=node_name,
+        pods=pods,
     )
     mechanisms: dict[str, Mechanism] = {"device-plugin": core.plugin, "dra": dra}
     observers = build_observers(

@@ -145,7 +145,7 @@ def next_grants(
         if drain is None and want is Owner.DRA and gpu in recorded:
             drain = Drain(source=Owner.DEVICE_PLUGIN, target=want, since=now, derived=True)
         if drain is not None:
-            drain = _progress(gpu, drain, observed.get(drain.source, IDLE), now, recorded=recorded)
+            drain = _progress(gpu, drain, observed, now, recorded=recorded)
         if drain is None:
             owners[gpu] = want
         else:
@@ -171,10 +171,18 @@ def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed], *, 
     return doubt
 
 
-def _progress(gpu: str, drain: Drain, source: Observed, now: float, *, recorded: frozenset[str]) -> Drain | None:
-    """The drain after this observation: still closing, waiting (and why), or done (None)."""
+def _progress(
+    gpu: str, drain: Drain, observed: Mapping[Owner, Observed], now: float, *, recorded: frozenset[str]
+) -> Drain | None:
+    """The drain after this observation: still closing, waiting (and why), or done (None).
+
+    A drain derived at start waits on its source, then on every later mechanism that is not its
+    target, in turn (its source becomes the one it waits on): at start any mechanism may hold or
+    advertise the GPU (an earlier run's slices, a claim the scheduler allocated from them).
+    """
     if drain.source is Owner.NONE:
         return None
+    source = observed.get(drain.source, IDLE)
     name = drain.source.value
     if drain.closing:
         if source.closed is not None and gpu not in source.closed:
@@ -186,9 +194,17 @@ def _progress(gpu: str, drain: Drain, source: Observed, now: float, *, recorded:
     if drain.withdrawn is None:
         drain = replace(drain, withdrawn=now)
     waiting = _waiting_for(gpu, drain, source)
-    if not waiting and drain.target is Owner.DRA and gpu in recorded:
-        waiting = "the record of grants on disk still gives it to device-plugin"
-    return replace(drain, waiting_for=waiting) if waiting else None
+    if waiting:
+        return replace(drain, waiting_for=waiting)
+    if drain.derived:
+        later = MECHANISMS[MECHANISMS.index(drain.source) + 1 :] if drain.source in MECHANISMS else ()
+        following = next((m for m in later if m is not drain.target), None)
+        if following is not None:
+            moved = replace(drain, source=following, withdrawn=None)
+            return _progress(gpu, moved, observed, now, recorded=recorded)
+    if drain.target is Owner.DRA and gpu in recorded:
+        return replace(drain, waiting_for="the record of grants on disk still gives it to device-plugin")
+    return None
 
 
 def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:

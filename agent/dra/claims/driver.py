@@ -292,6 +292,11 @@ class DraDriver:
             outcomes[p.ref.uid] = _Outcome(p.ref, answer_of(prepared), new=prepared, replaced=p.existing)
         return outcomes
 
+    def gpu_of_device(self, name: str) -> str | None:
+        """The physical GPU behind one of this node's DRA device names (None: not a device of ours)."""
+        device = self._devices_by_name().get(name)
+        return device.gpu_uuid if device is not None else None
+
     def _devices_by_name(self) -> dict[str, DraDevice]:
         """The node's DRA devices by name, computed once per inventory (inventories are immutable)."""
         inventory = self._inventory.current
