@@ -146,7 +146,7 @@ class ResourceService:
             )
         return [
             preferred_allocation(
-                available=r.available,
+                available=self._staying(r),
                 must_include=r.must_include,
                 size=r.size,
                 gpu_of=self.resource.gpu_of,
@@ -157,6 +157,14 @@ class ResourceService:
             )
             for r in requests
         ]
+
+    def _staying(self, request: PreferredRequest) -> Sequence[str]:
+        """The available devices less those of GPUs the plugin is giving up (closing), when the
+        rest is enough: a pod admitted while a GPU closes then does not hold up its handover."""
+        table = self._ownership.current
+        gpu_of = self.resource.gpu_of
+        staying = [i for i in request.available if i in request.must_include or not table.closing(gpu_of.get(i, ""))]
+        return staying if len(staying) >= request.size else request.available
 
     def _usable(self, device_id: str) -> bool:
         """Whether a listed device may be handed out now (called for known IDs only)."""
