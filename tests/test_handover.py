@@ -111,7 +111,7 @@ def test_a_new_target_keeps_the_drain_and_its_start() -> None:
     step = next_grants(desired("device-plugin", {"1": "dra"}), before, busy, now=1.0)
     step = next_grants(desired("device-plugin", {"1": "none"}), step, busy, now=2.0)
     assert step.draining["GPU-1"] == Drain(
-        DP, NONE, since=1.0, waiting_for=step.draining["GPU-1"].waiting_for, withdrawn=1.0
+        DP, NONE, since=1.0, waiting_for=step.draining["GPU-1"].waiting_for, withdrawn=1.0, held=True
     )
 
 
@@ -378,3 +378,22 @@ def test_the_record_keeps_the_device_plugin_grants(tmp_path: Path) -> None:
     handover.evaluate()
     assert granted_gpus(state.current, DRA) == {"GPU-0", "GPU-1", "GPU-2", "GPU-3"}
     assert GrantRecord(tmp_path).load() == frozenset()
+
+
+def test_the_first_grants_are_decided_once_nothing_for_the_device_plugin_waits_on_a_doubt() -> None:
+    """The first ListAndWatch answer waits for this. A GPU a prepared claim holds is known not to be
+    coming (it does not hold the answer back); one whose holder is not known yet is a doubt."""
+    state = OwnershipState()
+    observed = {DP: seen(known=False), DRA: seen(known=False, reason="checkpoint not read")}
+    handover = Handover(
+        ownership=state,
+        observe={o: (lambda o=o: observed[o]) for o in (DP, DRA)},  # type: ignore[misc]
+        clock=lambda: 0.0,
+    )
+    handover.set_desired(desired("device-plugin"))
+    assert not state.decided.is_set()
+    claim = Holder(kind="claim", namespace="ml", name="c", uid="u")
+    observed[DRA] = seen({"GPU-2": (claim,)})
+    handover.evaluate()
+    assert state.decided.is_set() and state.current.draining["GPU-2"].held
+    assert granted_gpus(state.current, DP) == {"GPU-0", "GPU-1", "GPU-3"}

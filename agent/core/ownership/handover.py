@@ -190,12 +190,13 @@ def _progress(
             return replace(drain, waiting_for=f"the scheduler still counts it on the Node ({note})")
         drain = replace(drain, closing=False)
     if gpu in source.advertised:
-        return replace(drain, withdrawn=None, waiting_for=f"{name} still advertises it")
+        return replace(drain, withdrawn=None, waiting_for=f"{name} still advertises it", held=False)
     if drain.withdrawn is None:
         drain = replace(drain, withdrawn=now)
     waiting = _waiting_for(gpu, drain, source)
     if waiting:
-        return replace(drain, waiting_for=waiting)
+        held = source.usage.known and source.usage.in_use(gpu)
+        return replace(drain, waiting_for=waiting, held=held)
     if drain.derived:
         later = MECHANISMS[MECHANISMS.index(drain.source) + 1 :] if drain.source in MECHANISMS else ()
         following = next((m for m in later if m is not drain.target), None)
@@ -300,7 +301,10 @@ class Handover:
         self._report(self._granted, granted, now)
         self._granted = granted
         # this start's grants are known once nothing the device plugin should have waits on a doubt
-        decided = not any(d.derived and d.target is Owner.DEVICE_PLUGIN for d in granted.draining.values())
+        # (an answer, a listing); a GPU another mechanism's users hold is known not to be coming
+        decided = not any(
+            d.derived and d.target is Owner.DEVICE_PLUGIN and not d.held for d in granted.draining.values()
+        )
         if self._ownership.update(granted, self._desired, decided=decided):
             self._kick.set()  # look again at once: the mechanisms act on the new grants now
         if self.record is not None:

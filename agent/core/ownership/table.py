@@ -46,6 +46,8 @@ class Drain:
     #: monotonic time the handover first saw the source no longer advertise it (None: not yet):
     #: only observations made a settle after it count
     withdrawn: float | None = None
+    #: it waits for known users (pods, claims), not on a doubt (an answer, a settle, a listing)
+    held: bool = False
 
     @property
     def label(self) -> str:
