@@ -92,7 +92,7 @@ async def start_agent(root: Path, kubelet: FakeKubelet) -> tuple[subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_AGENT_")}
     log = (root / "agent.log").open("ab")
     started = time.monotonic()
-    proc = subprocess.Popen(agent_command(root), stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = await asyncio.to_thread(subprocess.Popen, agent_command(root), stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
 
     def offered(p: KubeletProcess = process) -> bool:
