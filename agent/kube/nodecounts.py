@@ -23,8 +23,10 @@ admission ("no healthy devices present", ``UnexpectedAdmissionError``, never ret
   starts it over. A kubelet status write computed while the plugin still listed a closing GPU
   raises the count again; the guard lowers it again;
 * reads the Node every :data:`POLL_S` for :data:`FAST_S` after a ceiling dropped, then every
-  :data:`SLOW_POLL_S` until :data:`WATCH_S` (one kubelet status period and a margin), then not
-  until the next change: a few requests per handover, none in steady state.
+  :data:`SLOW_POLL_S` until :data:`WATCH_S` (one kubelet status period and a margin), and at once
+  whenever the plugin's list changed (a closing GPU is dropped just after a kubelet write raised
+  the count: that is undone within one read), then not until the next change: a few requests
+  per handover, none in steady state.
 
 RBAC: ``patch`` on ``nodes/status`` (``config/base/rbac.yaml``), confined by the admission policy
 to the agent's own Node and to lowering its own resources.
@@ -106,6 +108,9 @@ class NodeCountsGuard:
     # --- the NodeCounts interface (no I/O) --------------------------------------------------
 
     def lower_to(self, ceilings: Mapping[str, NodeCeiling]) -> None:
+        # the plugin's list may have changed even where the ceilings did not (a closing GPU
+        # dropped): read the Node again now, in case a kubelet status write raised it just before
+        self._kick.set()
         if dict(ceilings) == self._ceilings:
             return
         now = self._clock()
