@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,8 +38,45 @@ ownership:
 """
 
 
-def start(root: Path, config: Path) -> AgentProcess:
-    return AgentProcess(root, ["--simulated", "--config", str(config)])
+@dataclass
+class Node:
+    """A temporary node root with a kubelet; its state directory survives agent restarts."""
+
+    root: Path
+    kubelet: FakeKubelet
+    agents: list[AgentProcess] = field(default_factory=list)
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    def start(self) -> AgentProcess:
+        self.agents.append(AgentProcess(self.root, ["--simulated", "--config", str(self.config)]))
+        return self.agents[-1]
+
+    async def restart(self) -> tuple[AgentProcess, list[int]]:
+        """Start an agent; the device counts of the first ListAndWatch messages the kubelet got from it."""
+        current = self.kubelet.current
+        seen = {id(c) for c in current.all_clients} if current is not None else set()
+        agent = self.start()
+        await wait_for(lambda: newest_client(self.kubelet, lambda c: id(c) not in seen), what="a new stream")
+        client = newest_client(self.kubelet, lambda c: id(c) not in seen)
+        assert client is not None
+        return agent, list(client.counts)
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[Node]:
+    with short_tmpdir() as root:
+        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
+        await kubelet.start()
+        node = Node(root, kubelet)
+        try:
+            yield node
+        finally:
+            for agent in node.agents:
+                agent.kill()
+            await kubelet.stop()
 
 
 def newest_client(kubelet: FakeKubelet, after: Callable[[PluginClient], bool] = lambda c: True) -> PluginClient | None:
@@ -50,76 +88,50 @@ def newest_client(kubelet: FakeKubelet, after: Callable[[PluginClient], bool] = 
     return clients[-1] if clients else None
 
 
-async def first_answer_of_a_new_agent(kubelet: FakeKubelet, root: Path, config: Path) -> tuple[AgentProcess, list[int]]:
-    """Start an agent; the device counts of the first ListAndWatch messages the kubelet got from it."""
-    seen = {id(c) for c in kubelet.current.all_clients} if kubelet.current is not None else set()
-    agent = start(root, config)
-    await wait_for(lambda: newest_client(kubelet, lambda c: id(c) not in seen), what="a new stream")
-    client = newest_client(kubelet, lambda c: id(c) not in seen)
-    assert client is not None
-    return agent, list(client.counts)
-
-
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
-async def test_the_first_answer_after_a_restart_lists_every_gpu(how: str) -> None:
-    with short_tmpdir() as root:
-        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
-        await kubelet.start()
-        config = root / "config.yaml"
-        config.write_text(CONFIG % '{"7": dra}')
-        agent = start(root, config)
-        try:
-            # a fresh node has no record, and no PodResources answer: the first answer waits for the grants
-            await asyncio.to_thread(agent.wait_ready)
-            first = newest_client(kubelet)
-            assert first is not None and first.counts[0] == 7, first and first.counts
-            record = agent.state_dir / RECORD_FILE
-            await wait_for(lambda: record.exists() and len(json.loads(record.read_text())["device_plugin"]) == 7)
-            if how == "SIGKILL":
-                agent.kill()
-            else:
-                await asyncio.to_thread(agent.terminate)
-            await wait_for(lambda: kubelet.current is not None and kubelet.current.allocatable(GPU) == 0, what="0")
-            started = time.monotonic()
-            agent, counts = await first_answer_of_a_new_agent(kubelet, root, config)
-            assert counts[0] == 7, f"first ListAndWatch after a {how} restart carried {counts[0]} devices"
-            await wait_for(lambda: kubelet.current is not None and kubelet.current.allocatable(GPU) == 7, what="7")
-            print(f"{how}: process start -> kubelet has 7 devices {time.monotonic() - started:.2f} s")
-        finally:
-            agent.kill()
-            await kubelet.stop()
+async def test_the_first_answer_after_a_restart_lists_every_gpu(node: Node, how: str) -> None:
+    node.config.write_text(CONFIG % '{"7": dra}')
+    agent = node.start()
+    # a fresh node has no record, and no PodResources answer: the first answer waits for the grants
+    await asyncio.to_thread(agent.wait_ready)
+    first = newest_client(node.kubelet)
+    assert first is not None and first.counts[0] == 7, first and first.counts
+    record = agent.state_dir / RECORD_FILE
+    await wait_for(lambda: record.exists() and len(json.loads(record.read_text())["device_plugin"]) == 7)
+    if how == "SIGKILL":
+        agent.kill()
+    else:
+        await asyncio.to_thread(agent.terminate)
+    kubelet = node.kubelet
+    await wait_for(lambda: kubelet.current is not None and kubelet.current.allocatable(GPU) == 0, what="0")
+    started = time.monotonic()
+    agent, counts = await node.restart()
+    assert counts[0] == 7, f"first ListAndWatch after a {how} restart carried {counts[0]} devices"
+    await wait_for(lambda: kubelet.current is not None and kubelet.current.allocatable(GPU) == 7, what="7")
+    print(f"{how}: process start -> kubelet has 7 devices {time.monotonic() - started:.2f} s")
 
 
-async def test_a_restart_in_the_middle_of_a_drain_resumes_it_without_offering_the_gpu() -> None:
-    with short_tmpdir() as root:
-        kubelet = FakeKubelet(root / "kubelet" / "device-plugins")
-        await kubelet.start()
-        config = root / "config.yaml"
-        config.write_text(CONFIG % "{}")
-        agent = start(root, config)
-        pods = FakePodResources(agent.kubelet_root / "pod-resources")
-        await pods.start()
-        try:
-            await asyncio.to_thread(agent.wait_ready)
-            gpu7 = next(d["uuid"] for d in agent.state()["devices"] if d["index"] == 7)
-            pods.allocate("ml", "trainer", "main", GPU, [gpu7])
-            config.write_text(CONFIG % '{"7": dra}')
-            await wait_for(
-                lambda: {d["index"]: d["owner"] for d in agent.state()["devices"]}[7] == "draining:device-plugin->dra",
-                what="the drain",
-            )
-            await wait_for(lambda: (c := newest_client(kubelet)) is not None and c.counts[-1] == 7, what="7 listed")
-            agent.kill()
-            agent, counts = await first_answer_of_a_new_agent(kubelet, root, config)
-            assert counts[0] == 7, counts
-            await asyncio.to_thread(agent.wait_port)
-            resumed = "draining:device-plugin->dra"
-            await wait_for(lambda: agent.state()["devices"][7]["owner"] == resumed, what="the drain resumed")
-            client = newest_client(kubelet)
-            assert client is not None and gpu7 not in {d.ID for d in client.devices}
-            pods.release("ml", "trainer")
-            await wait_for(lambda: agent.state()["devices"][7]["owner"] == "dra", what="the drain to complete")
-        finally:
-            agent.kill()
-            await pods.stop()
-            await kubelet.stop()
+async def test_a_restart_in_the_middle_of_a_drain_resumes_it_without_offering_the_gpu(node: Node) -> None:
+    node.config.write_text(CONFIG % "{}")
+    agent = node.start()
+    pods = FakePodResources(agent.kubelet_root / "pod-resources")
+    await pods.start()
+    try:
+        await asyncio.to_thread(agent.wait_ready)
+        gpu7 = next(d["uuid"] for d in agent.state()["devices"] if d["index"] == 7)
+        pods.allocate("ml", "trainer", "main", GPU, [gpu7])
+        node.config.write_text(CONFIG % '{"7": dra}')
+        draining = "draining:device-plugin->dra"
+        await wait_for(lambda: agent.state()["devices"][7]["owner"] == draining, what="the drain")
+        await wait_for(lambda: (c := newest_client(node.kubelet)) is not None and c.counts[-1] == 7, what="7 listed")
+        agent.kill()
+        agent, counts = await node.restart()
+        assert counts[0] == 7, counts
+        await asyncio.to_thread(agent.wait_port)
+        await wait_for(lambda: agent.state()["devices"][7]["owner"] == draining, what="the drain resumed")
+        client = newest_client(node.kubelet)
+        assert client is not None and gpu7 not in {d.ID for d in client.devices}
+        pods.release("ml", "trainer")
+        await wait_for(lambda: agent.state()["devices"][7]["owner"] == "dra", what="the drain to complete")
+    finally:
+        await pods.stop()

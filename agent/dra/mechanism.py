@@ -30,6 +30,7 @@ from agent.core.ownership.table import OwnershipState
 from agent.dra.claims.allocated import AllocatedClaims, PodClaimLister
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
 from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
+from agent.dra.claims.holders import add_claim
 from agent.dra.claims.prepared import PreparedClaims
 from agent.dra.claims.specwriter import ClaimSpecWriter, specs_to_keep
 from agent.dra.kubelet.endpoints import (
@@ -201,34 +202,21 @@ class DraMechanism:
             return Usage(known=False, reason=f"the DRA checkpoint is not loaded: {prepared.load_error or 'not yet'}")
         holders: dict[str, list[Holder]] = {}
         for claim in prepared.values():
-            by_gpu: dict[str, list[str]] = {}
-            for device in claim.devices:
-                by_gpu.setdefault(device.gpu_uuid, []).append(device.name)
-            for gpu, names in by_gpu.items():
-                holders.setdefault(gpu, []).append(
-                    Holder(
-                        kind="claim",
-                        namespace=claim.namespace,
-                        name=claim.name,
-                        uid=claim.uid,
-                        detail="" if claim.complete else "rebuilt from its CDI spec; name unknown until prepared again",
-                        devices=tuple(dict.fromkeys(names)),
-                        since=claim.prepared_at,
-                    )
-                )
+            add_claim(
+                holders,
+                namespace=claim.namespace,
+                name=claim.name,
+                uid=claim.uid,
+                devices=((d.gpu_uuid, d.name) for d in claim.devices),
+                detail="" if claim.complete else "rebuilt from its CDI spec; name unknown until prepared again",
+                since=claim.prepared_at,
+            )
         for ref, planned in self.driver.in_preparation():
             # a claim being prepared holds its devices already: a drain must wait for it too
-            for gpu in dict.fromkeys(p.device.gpu_uuid for p in planned):
-                holders.setdefault(gpu, []).append(
-                    Holder(
-                        kind="claim",
-                        namespace=ref.namespace,
-                        name=ref.name,
-                        uid=ref.uid,
-                        detail="being prepared",
-                        devices=tuple(p.device.name for p in planned if p.device.gpu_uuid == gpu),
-                    )
-                )
+            devices = ((p.device.gpu_uuid, p.device.name) for p in planned)
+            add_claim(
+                holders, namespace=ref.namespace, name=ref.name, uid=ref.uid, devices=devices, detail="being prepared"
+            )
         now = self._clock()
         if not self.allocated.needed():
             return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=now)

@@ -35,6 +35,7 @@ import structlog
 from agent.core.config.schema import Owner
 from agent.core.mechanism import Holder
 from agent.core.ownership.table import OwnershipState
+from agent.dra.claims.holders import add_claim
 from agent.kube.claims.model import ClaimRef, ClaimSource, ResourceClaim
 from agent.kube.errors import KubeError
 from agent.kube.podclaims import PodClaims
@@ -139,22 +140,14 @@ class AllocatedClaims:
             claim = self._read[key]
             if claim is None or not claim.allocated or claim.uid in self._prepared:
                 continue
-            devices: dict[str, list[str]] = {}
-            for result in claim.results:
-                gpu = (
-                    self._gpu_of(result.device) if result.driver == self._driver and result.pool == self._pool else None
-                )
-                if gpu is not None:
-                    devices.setdefault(gpu, []).append(result.device)
-            for gpu, names in devices.items():
-                out.setdefault(gpu, []).append(
-                    Holder(
-                        kind="claim",
-                        namespace=claim.namespace,
-                        name=claim.name,
-                        uid=claim.uid,
-                        detail=f"allocated for pod {pod.pod}, not prepared yet",
-                        devices=tuple(dict.fromkeys(names)),
-                    )
-                )
+            ours = [r for r in claim.results if r.driver == self._driver and r.pool == self._pool]
+            devices = [(gpu, r.device) for r in ours if (gpu := self._gpu_of(r.device)) is not None]
+            add_claim(
+                out,
+                namespace=claim.namespace,
+                name=claim.name,
+                uid=claim.uid,
+                devices=devices,
+                detail=f"allocated for pod {pod.pod}, not prepared yet",
+            )
         return {gpu: tuple(h) for gpu, h in out.items()}
