@@ -19,6 +19,7 @@ import pytest
 
 from agent.core.ownership.record import RECORD_FILE
 from tests.agentproc import AgentProcess
+from tests.fake_apiserver import NODE, FakeApiServer, write_kubeconfig
 from tests.fake_kubelet import PluginClient
 from tests.fake_podresources import FakePodResources
 from tests.test_plugin_fakes import FakeKubelet, short_tmpdir, wait_for
@@ -135,3 +136,32 @@ async def test_a_restart_in_the_middle_of_a_drain_resumes_it_without_offering_th
         await wait_for(lambda: agent.state()["devices"][7]["owner"] == "dra", what="the drain to complete")
     finally:
         await pods.stop()
+
+
+async def test_a_restart_offers_the_gpus_before_anyone_answered(node: Node) -> None:
+    """After a restart nothing has answered yet: no PodResources, and an API server that hangs (so
+    an earlier run's slices cannot be listed). The GPUs the record and the kubelet's checkpoint
+    both give the device plugin are in the first answer all the same."""
+    api = await FakeApiServer().start()
+    try:
+        kubeconfig = write_kubeconfig(node.root, api.url, {"token": "t"})
+        node.config.write_text((CONFIG % '{"7": dra}').replace("test-node", NODE))
+        args = ["--simulated", "--config", str(node.config), "--kubeconfig", str(kubeconfig), "--node-name", NODE]
+        node.agents.append(AgentProcess(node.root, args))
+        agent = node.agents[-1]
+        await asyncio.to_thread(agent.wait_ready)
+        record = agent.state_dir / RECORD_FILE
+        await wait_for(lambda: record.exists() and len(json.loads(record.read_text())["device_plugin"]) == 7)
+        agent.kill()
+        api.hang(times=None)
+        current = node.kubelet.current
+        assert current is not None
+        seen = {id(c) for c in current.all_clients}
+        node.agents.append(AgentProcess(node.root, args))
+        await wait_for(lambda: newest_client(node.kubelet, lambda c: id(c) not in seen), what="a new stream")
+        client = newest_client(node.kubelet, lambda c: id(c) not in seen)
+        assert client is not None and client.counts[0] == 7, client and client.counts
+        assert any('"complete": true' in line for line in node.agents[-1].lines if "first grants" in line)
+    finally:
+        api.clear()
+        await api.stop()

@@ -50,8 +50,10 @@ from agent.core.node import NodeFacts
 from agent.core.ownership.handover import covers_device_plugin, seed_grants
 from agent.core.ownership.record import GrantRecord, RecordKeeper
 from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
+from agent.deviceplugin.kubeletcheckpoint import CHECKPOINT, listed_gpus
 from agent.deviceplugin.manager import PluginManager
 from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
+from agent.deviceplugin.resources import plan_resources
 from agent.runtime.supervisor import supervised
 
 if TYPE_CHECKING:
@@ -175,10 +177,25 @@ async def _first_grants(
     await keeper.forget_unreadable()
     if uses_label_rules(config.ownership) or not on_disk:
         return keeper, None, OwnershipState()
+    # the kubelet's own checkpoint must show the plugin listed them last, too (a second witness)
+    plan = {r.name: r for r in plan_resources(inventory, config.plugin).resources}
+    kubelet = await asyncio.to_thread(
+        listed_gpus,
+        config.device_plugins_dir / CHECKPOINT,
+        plan=plan,
+        inventory=inventory,
+        own_names={*plan, config.plugin.resource_name},
+    )
     desired = compute_ownership(
         inventory, config.ownership, node_name=node_name, node_labels=config.node_labels, version=loaded.version
     )
-    seed = seed_grants(desired, on_disk)
+    seed = seed_grants(desired, on_disk & kubelet)
     complete = covers_device_plugin(seed, desired)
-    log.info("first grants from the record", device_plugin=len(seed.gpus()), complete=complete)
+    log.info(
+        "first grants from the record",
+        recorded=len(on_disk),
+        kubelet_listed=len(kubelet),
+        device_plugin=len(seed.gpus()),
+        complete=complete,
+    )
     return keeper, seed, OwnershipState(seed, decided=complete)
