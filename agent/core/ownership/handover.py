@@ -2,22 +2,29 @@
 
 The config says which mechanism *should* own each GPU (the desired table, from
 :func:`agent.core.ownership.table.compute_ownership`). A GPU is *granted* to that mechanism only once the
-mechanism that had it no longer uses it; in between it drains, granted to nobody:
+mechanism that had it no longer uses it; in between it drains:
 
-* the old owner stops advertising it at once (it reads the granted table: ListAndWatch drops
-  it on the next send, the ResourceSlice in its next write);
-* the drain completes when the old owner reports, in an observation made after the GPU
-  stopped being advertised (plus a short settle for an Allocate the kubelet had in flight),
-  that nothing holds the GPU, and no longer advertises it; then the new owner gets it;
+* away from the device plugin it first *closes*: the plugin still lists it and answers Allocate
+  until it reports that the scheduler no longer counts it on the Node (:class:`Observed`
+  ``closed``; the plugin lowers the Node's counts itself), so no pod the scheduler placed on it
+  meanwhile is turned away at admission;
+* then the old owner stops advertising it (it reads the granted table: ListAndWatch drops it on
+  the next send, the ResourceSlice in its next write), and it is granted to nobody;
+* the drain completes when the old owner reports, in an observation made a settle after the GPU
+  was seen withdrawn (an Allocate the kubelet had in flight; a claim the scheduler allocated from
+  the slice before it changed), that nothing holds the GPU; then the new owner gets it;
 * a mechanism that cannot tell (the kubelet's PodResources socket missing or failing, the DRA
-  checkpoint not loaded yet) means *unknown*, never idle: the drain waits and says why;
+  checkpoint not loaded yet, the node's pods not listed) means *unknown*, never idle: the drain
+  waits and says why;
 * changing the config back to the old owner ends the drain at once (nothing moved).
 
-On start there is no previous grant to continue from: :func:`next_grants` derives it from
-what each mechanism has in use (PodResources, the DRA checkpoint) and the desired owners, so
-an agent killed in the middle of a drain continues it. The pure decision is
-:func:`next_grants`; :class:`Handover` runs it whenever the desired table changes and, while
-any drain is open, a few times a second.
+On start there is no previous grant to continue from but the grants phase 1 made from the
+durable record (:mod:`agent.core.ownership.record`, :func:`seed_grants`): :func:`next_grants`
+derives every other GPU from what each mechanism has in use (PodResources, the DRA checkpoint,
+the slices) and the desired owners, so an agent killed in the middle of a drain continues it;
+no GPU goes to DRA while the record on disk may still give it to the device plugin. The pure
+decision is :func:`next_grants`; :class:`Handover` runs it whenever the desired table changes
+and, while any drain is open, a few times a second, and keeps the record.
 """
 
 from __future__ import annotations
