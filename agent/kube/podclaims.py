@@ -57,7 +57,7 @@ class NodePodClaims:
             {"fieldSelector": f"spec.nodeName={self.node_name}", "resourceVersion": "0"},
             timeout_s=LIST_TIMEOUT_S,
         )
-        items = body.get("items")
+        items = body.get("items") or []  # an empty list may come as null
         if not isinstance(items, list):
             raise KubeError(f"listing the pods of node {self.node_name}: the answer has no items")
         if len(items) > MAX_PODS:
