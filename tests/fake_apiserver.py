@@ -552,12 +552,13 @@ class FakeApiServer:
         since = request.query.get("resourceVersion", "")
         if since.isdigit() and int(since) > self.rv:
             return _status(504, f"Too large resource version: {since}, current: {self.rv}", reason="Timeout")
+        body_items: list[dict[str, Any]] | None = items
         if _METADATA_ONLY in request.headers.get("Accept", ""):
             kind, api_version = "PartialObjectMetadataList", "meta.k8s.io/v1"
-            items = [_metadata_only(i) for i in items]
-        return web.json_response(
-            {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(self.rv)}, "items": items}
-        )
+            # a real v1.36 API server sends an empty metadata list's items as null (a PodList's as [])
+            body_items = [_metadata_only(i) for i in items] or None
+        metadata = {"resourceVersion": str(self.rv)}
+        return web.json_response({"kind": kind, "apiVersion": api_version, "metadata": metadata, "items": body_items})
 
     def _pod(self, request: web.Request, namespace: str, name: str) -> web.Response:
         pod = self.pods.get((namespace, name))

@@ -250,3 +250,18 @@ async def test_pods_with_names_no_pod_can_have_are_ignored(api: FakeApiServer, t
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_node_without_pods_is_a_known_empty_view(api: FakeApiServer, tmp_path: Path) -> None:
+    """A real v1.36 API server sends an empty PartialObjectMetadataList's items as null (seen on one):
+    that is a list with nothing in it, not an unusable answer."""
+    async with client_for(api, tmp_path) as client:
+        pods = NodePods(client, node_name=NODE, timing=WatchTiming(sleep=FakeSleep(), clock=Clock()))
+        task = asyncio.create_task(pods.run())
+        try:
+            await api.next_watch()
+            assert pods.state("ml", "gone").state is PodState.GONE
+            assert not pods.watch.last_error
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
