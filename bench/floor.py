@@ -51,12 +51,13 @@ class CannedAllocate:
 async def serve(socket: str, response: Any, coalesce: bool = False) -> None:
     from grpclib.server import Server
 
-    server = Server([CannedAllocate(response)])
     if coalesce:
-        from agent.grpc.coalesce import coalesce_writes
+        # the agent's protocol with grpclib's and h2's own settings: stock grpclib, one write per turn
+        from agent.grpc.grpclib_adapter import Http2Settings, make_server
 
-        factory = server._protocol_factory
-        server._protocol_factory = lambda: coalesce_writes(factory())  # type: ignore[method-assign]
+        server = make_server([CannedAllocate(response)], settings=Http2Settings())
+    else:
+        server = Server([CannedAllocate(response)])
     await server.start(path=socket)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -74,7 +75,9 @@ def main() -> None:
     parser.add_argument("response", type=Path)
     parser.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     parser.add_argument("--codec", choices=("pure", "rust"), default="pure")
-    parser.add_argument("--coalesce", action="store_true", help="one socket write per loop turn (agent.grpc.coalesce)")
+    parser.add_argument(
+        "--coalesce", action="store_true", help="one socket write per loop turn (agent.grpc.grpclib_adapter)"
+    )
     args = parser.parse_args()
     if args.codec == "pure":
         sys.modules["betterproto_rust_codec"] = None  # type: ignore[assignment]  # betterproto's import fails

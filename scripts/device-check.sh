@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What the agent sees on a machine with a real NVIDIA GPU, captured in one short run (~40 s).
+# What the agent sees on a machine with a real NVIDIA GPU, captured in one short run (about a
+# minute; up to three when it makes MIG instances and an MPS daemon).
 #
 #   scripts/device-check.sh --prepare [--with-python]   # here, with network or a pip cache:
 #                                                       # build .device-check/ to carry along
@@ -235,4 +236,131 @@ EOF
 else
   note "nvidia-ctk not installed: no reference spec to compare with"
 fi
+# MIG made and destroyed at run time, on the first MIG-capable GPU that has no MIG devices (and,
+# before Hopper, is in MIG mode already); NVML's profiles next to the agent's tables. Whatever is
+# made is destroyed again, and MIG mode ends as it was.
+step mig-dynamic 90 "$py" - <<'EOF'
+import asyncio, os, time
+from pathlib import Path
+from agent.backends.migprofiles import MODELS, toggles_without_reset
+from agent.backends.nvml.backend import NvmlBackend
+from agent.core.config.schema import HealthConfig
+from agent.core.inventory.model import MigPlacement
+from agent.core.partitioning import PartitionError
+
+TABLES = {"H100 80GB": "h100-80gb", "H100 PCIe": "h100-80gb", "H200": "h200-141gb", "A100-SXM4-40GB": "a100-40gb",
+          "A100-PCIE-40GB": "a100-40gb", "A100-SXM4-80GB": "a100-80gb", "A100 80GB": "a100-80gb", "A30": "a30-24gb"}
+
+def at(p):
+    return f"{p.start}:{p.size}"
+
+def show(gpu):
+    print(f"GPU {gpu.index} {gpu.product_name} {gpu.architecture} mig_enabled={gpu.mig_enabled} slices={gpu.mig_memory_slices}")
+    for p in gpu.mig_profiles:
+        print(f"  profile {p.profile_id:2} {p.name:12} c={p.compute_slices} m={p.memory_slices} {p.memory_mib} MiB"
+              f" sm={p.multiprocessors} max={p.max_instances} ce={p.copy_engines} dec={p.decoders} enc={p.encoders}"
+              f" jpg={p.jpeg_engines} ofa={p.ofa_engines} at {','.join(at(x) for x in p.placements)}")
+    key = next((v for k, v in TABLES.items() if k in gpu.product_name), None)
+    if key and gpu.mig_profiles:
+        ours = {p.profile_id: p for p in MODELS[key].profiles}
+        for p in gpu.mig_profiles:
+            mine = ours.pop(p.profile_id, None)
+            same = mine is not None and (mine.name, mine.placements, mine.max_instances) == (p.name, p.placements, p.max_instances)
+            print(f"  table {key}: profile {p.profile_id} {'matches' if same else f'DIFFERS: ours {mine}'}")
+        for mine in ours.values():
+            print(f"  table {key}: profile {mine.profile_id} ({mine.name}) NOT OFFERED by NVML")
+    for m in gpu.mig_devices:
+        print(f"  mig {m.uuid} {m.profile} gi={m.gpu_instance_id} ci={m.compute_instance_id} at {m.placement}"
+              f" caps={m.gi_cap_minor},{m.ci_cap_minor}")
+
+async def main() -> None:
+    root = Path(os.environ["GPU_AGENT_DRIVER_ROOT"])
+    backend = NvmlBackend(health=HealthConfig(check_interval_s=3600), driver_root=root, required=True)
+    await backend.open()
+    try:
+        inventory = await backend.load()
+        for gpu in inventory.gpus:
+            show(gpu)
+        gpu = next((g for g in inventory.gpus if g.mig_profiles and not g.mig_devices
+                    and (g.mig_enabled or toggles_without_reset(g.architecture))), None)
+        if gpu is None:
+            print("no MIG-capable GPU free to try (or only Ampere GPUs out of MIG mode): skipped")
+            return
+        small = min(gpu.mig_profiles, key=lambda p: (p.memory_slices, p.compute_slices, "+" in p.name))
+        made = []
+        try:
+            for placement in small.placements[-2:]:
+                started = time.monotonic()
+                mig = await backend.mig.create(gpu.uuid, small.profile_id, placement)
+                made.append(mig)
+                print(f"created in {time.monotonic() - started:.2f} s: {mig}")
+            off_the_end = MigPlacement(start=gpu.mig_memory_slices, size=small.memory_slices)
+            for placement in (small.placements[-1], off_the_end):
+                try:
+                    await backend.mig.create(gpu.uuid, small.profile_id, placement)
+                    print(f"UNEXPECTED: created another instance at {at(placement)}")
+                except PartitionError as exc:
+                    print(f"refused as expected: {exc.kind.value}: {exc}")
+            print("instances:", await backend.mig.instances(gpu.uuid))
+            seen = (await backend.load()).find(gpu.uuid)
+            if seen is not None:
+                show(seen)
+        finally:
+            for mig in reversed(made):
+                started = time.monotonic()
+                await backend.mig.destroy(gpu.uuid, mig.gpu_instance_id, mig.compute_instance_id)
+                print(f"destroyed in {time.monotonic() - started:.2f} s: {mig.uuid}")
+            after = (await backend.load()).find(gpu.uuid)
+            print("after: mig_enabled", after.mig_enabled if after else None, "devices", after.mig_devices if after else None)
+            print("mig status:", backend.status()["mig"])
+    finally:
+        await backend.close()
+
+asyncio.run(main())
+EOF
+
+# one MPS control daemon for the first GPU outside MIG mode, supervised for a few seconds, then
+# released; its control.log is printed
+step mps 40 "$py" - <<'EOF'
+import asyncio, os, shutil, tempfile
+from pathlib import Path
+from agent.backends.mps import MpsSupervisor
+from agent.backends.mpscontrol import MpsProgram
+from agent.backends.nvml.backend import NvmlBackend
+from agent.core.config.schema import HealthConfig
+
+async def main() -> None:
+    root = Path(os.environ["GPU_AGENT_DRIVER_ROOT"])
+    program = MpsProgram.find(root)
+    print("program:", program.path if program else None)
+    if program is None:
+        print("nvidia-cuda-mps-control not found under the driver root: skipped")
+        return
+    backend = NvmlBackend(health=HealthConfig(check_interval_s=3600), driver_root=root, required=True)
+    await backend.open()
+    inventory = await backend.load()
+    await backend.close()
+    gpu = next((g for g in inventory.gpus if not g.mig_enabled), None)
+    if gpu is None:
+        print("every GPU is in MIG mode: skipped")
+        return
+    base = Path(tempfile.mkdtemp(prefix="mps-", dir="/tmp"))
+    supervisor = MpsSupervisor(driver_root=root, base_dir=base, check_interval_s=1.0)
+    try:
+        daemon = await supervisor.ensure(gpu.uuid)
+        print("daemon:", daemon)
+        await supervisor.set_limits(gpu.uuid, active_thread_percentage=50, pinned_memory_mib=1024)
+        print("asked:", await program.ask(daemon, "get_default_active_thread_percentage"))
+        await asyncio.sleep(3)  # a few supervision rounds
+        print("status:", supervisor.status())
+    finally:
+        await supervisor.release(gpu.uuid)
+        await supervisor.close()
+        for log in sorted(base.glob("*/log/*")):
+            print(f"== {log}\n{log.read_text(errors='replace')[-4000:]}")
+        shutil.rmtree(base, ignore_errors=True)
+
+asyncio.run(main())
+EOF
+
 note "written to $out"

@@ -8,10 +8,11 @@ ResourceClaims (get; list and watch with only the metadata field selectors a rea
 Nodes (get, list, watch, a merge patch of ``status``; capacity and allocatable when a test, as
 the kubelet, or the agent sets them), Pods (get, list and watch with the field selectors a real
 one allows, ``spec.nodeName`` among them; whole or as ``PartialObjectMetadata``) and Events
-(create, patch, list). ResourceSlices are stored in the
-v1 shape and converted to and from v1beta1's ``basic`` nesting. Validation and error wording
-follow what a real v1.36 kube-apiserver was seen to answer, resourceVersions are a global counter,
-a stale update is 409 Conflict, and a watch from a compacted resourceVersion gets 410 Gone.
+(create, patch, list). ResourceSlices are stored in the v1 shape and converted to and from
+v1beta1's ``basic`` nesting. Validation and error wording follow what a real v1.36
+kube-apiserver answers (kubernetes/kubernetes ``pkg/apis/resource/validation``, and its answers
+as observed), resourceVersions are a global counter, a stale update is 409 Conflict, and a watch
+from a compacted resourceVersion gets 410 Gone.
 
 Rudeness knobs: ``delay_s`` on every response, :meth:`fail` (any status, N times or until
 cleared), :meth:`hang` (accept and never answer), :meth:`close_watches` (abort),

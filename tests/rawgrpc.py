@@ -107,6 +107,15 @@ class RawGrpc:
         self._flush()
         return events
 
+    async def events_until_closed(self, within_s: float = 5.0) -> list[h2.events.Event]:
+        """Every frame's event from now until the server closes the connection."""
+        events: list[h2.events.Event] = []
+        async with asyncio.timeout(within_s):
+            while data := await self._reader.read(65536):
+                events += self._h2.receive_data(data)
+                self._flush()
+        return events
+
     async def closed_by_peer(self, within_s: float) -> bool:
         """Whether the server closes this connection within ``within_s`` (reads and drops its frames)."""
         try:

@@ -54,6 +54,22 @@ def test_inventory_without_gpus_and_explicit_nvml() -> None:
     assert err.startswith("gpu-agent: error:") and "NVML" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "command",
+    [["inventory"], ["config", "plan", "CONFIG", "--debug-addr", "127.0.0.1:1"], ["cdi", "generate"]],
+    ids=["inventory", "config-plan", "cdi-generate"],
+)
+def test_every_command_that_reads_nvml_takes_the_driver_root(command: list[str], tmp_path: Path) -> None:
+    """``run`` and ``cdi generate`` had --driver-root; ``inventory`` and ``config plan`` did not."""
+    config = tmp_path / "config.yaml"
+    config.write_text("{}\n")
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    args = [str(config) if arg == "CONFIG" else arg for arg in command]
+    code, _, err = invoke(*args, "--backend", "nvml", "--driver-root", str(driver))
+    assert code == 1 and f"libnvidia-ml.so.1 not found under {driver} " in err, err
+
+
 CONFIG = """
 ownership:
   default: device-plugin
@@ -131,6 +147,49 @@ async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(task, 5) == 0
     assert unwound.is_set()
+
+
+#: what the console script does, with a Ctrl-C arriving while the module named in argv[1] loads
+INTERRUPTED_WHILE_LOADING = """
+import sys
+
+class CtrlC:
+    def __init__(self, module):
+        self.module = module
+
+    def find_spec(self, name, path=None, target=None):
+        if name == self.module:
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC(sys.argv.pop(1)))
+from agent.__main__ import main
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "typer",  # the command line's own modules
+        "agent.runtime.app",  # inside ``run``, before it has taken SIGINT over
+        "uvloop",  # choosing the event loop
+    ],
+)
+def test_ctrl_c_before_the_agent_handles_signals_is_quiet(module: str, tmp_path: Path) -> None:
+    """A KeyboardInterrupt traceback came out of a Ctrl-C in the first half second."""
+    import subprocess
+    import sys
+
+    args = ["run", "--simulated", "--debug-addr", "127.0.0.1:0"]
+    args += ["--kubelet-root", str(tmp_path / "k"), "--cdi-root", str(tmp_path / "c"), "--state-dir", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_WHILE_LOADING, module, *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (result.returncode, result.stdout, result.stderr.strip()) == (130, "", "")
 
 
 # --- first contact: every mistake is one line ----------------------------------------------

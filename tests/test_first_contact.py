@@ -106,7 +106,10 @@ def test_on_a_clean_machine_an_ordinary_user_is_told_why_it_is_not_ready(ordinar
     """The plugin cannot listen and the CDI directory cannot be made: /readyz must not say ready."""
     with scratch() as root:
         system = root / "system"  # stands in for /var: the user cannot create anything in it
-        system.mkdir(mode=0o755)
+        system.mkdir()
+        # root's 0755 for the agent run as nobody; an ordinary user running the tests owns it,
+        # so only taking its own write bit away denies it
+        system.chmod(0o755 if os.geteuid() == 0 else 0o555)
         agent = AgentProcess(
             root,
             [
@@ -136,6 +139,10 @@ def test_on_a_clean_machine_an_ordinary_user_is_told_why_it_is_not_ready(ordinar
 
             wait_for(both_checks_failing, 15, "/readyz naming both problems")
             assert not (system / "lib").exists() and not (system / "run").exists()
+            # where an operator looks first: it said "serving", every GPU healthy, and nothing else
+            shown = run_cli("status", "--debug-addr", f"127.0.0.1:{agent.port}").stdout
+            assert " NOT READY " in shown.splitlines()[0], shown
+            assert "not ready: device-plugin: " in shown and "not ready: cdi: " in shown, shown
             stop(agent)
         finally:
             agent.kill()

@@ -276,3 +276,23 @@ def test_disabling_health_live_returns_every_device_to_service() -> None:
         assert monitor.state("GPU-0") is HealthState.HEALTHY
         (change,) = changes.drain()
         assert change.cause == "health checks disabled"
+
+
+def test_a_fault_that_persists_is_said_once_and_again_when_it_changes() -> None:
+    """A lost GPU fails every periodic check: "fault on unhealthy device" was a warning every
+    time, and each one pushed a history entry, so the history held nothing else."""
+    from structlog.testing import capture_logs
+
+    monitor, clock = _monitor(recovery_quiet_s=30, history_size=5)
+    lost = Signal(uuid="GPU-0", kind=SignalKind.LOST, detail="while reading its UUID")
+    with capture_logs() as logs:
+        for _ in range(10):
+            clock.now += 1
+            monitor.observe(lost)
+        monitor.observe(xid(79))  # a different fault: news
+        monitor.observe(lost)  # and the first one back: news again
+    warnings = [(e["event"], e.get("cause")) for e in logs if e["log_level"] == "warning"]
+    assert [event for event, _ in warnings] == ["device health changed", *["fault on unhealthy device"] * 2]
+    assert sum(e["event"] == "fault on unhealthy device" and e["log_level"] == "debug" for e in logs) == 9
+    record = monitor.record("GPU-0")
+    assert record is not None and len(record.history) == 3  # the transition, Xid 79, lost again

@@ -39,6 +39,11 @@ RSS_LIMIT_BYTES = 128 * 1024 * 1024
 #: a stall of seconds fails; the noise of a loaded 2-core CI machine does not
 LAG_BOUND_S = 2.0  # the stalls guarded against lasted 3.4 s to 223 s
 SOCKET = "gpu-node-agent-nvidia-gpu.sock"
+#: connections held open at once: far past the agent's caps (16 on the plugin socket, 64 on the
+#: debug port), and together well inside the usual open-file limit (``ulimit -n`` 1024) of the
+#: test process, which holds each one; 1,500 + 1,000 died with EMFILE there
+SILENT_UNIX = 300
+HALF_SENT_HTTP = 300
 
 
 def proc_status(pid: int, field: str) -> int:
@@ -178,7 +183,7 @@ def test_attacks_leave_the_loop_running_and_memory_under_the_limit() -> None:
         fds_before = open_fds(pid)
         with HealthzProbe(process.port, pid) as probe:
             wait_for(lambda: probe.answers > 0, 10, "a first /healthz answer")
-            held = silent_unix(sock, 1_500) + half_sent_http(process.port, 1_000)
+            held = silent_unix(sock, SILENT_UNIX) + half_sent_http(process.port, HALF_SENT_HTTP)
             try:
                 # the agent holds at most its caps: 16 on the plugin socket, 64 on the debug port
                 wait_for(lambda: open_fds(pid) <= fds_before + 16 + 64 + 8, 30, "refused connections closed")

@@ -202,3 +202,14 @@ async def test_cancel_arriving_with_an_event_still_stops_the_drain_task(api: Fak
             with pytest.raises(asyncio.CancelledError):
                 async with asyncio.timeout(TIMEOUT):
                     await task
+
+
+async def test_what_is_remembered_is_bounded(api: FakeApiServer, tmp_path: Path) -> None:
+    """A flood of distinct events keeps at most max_series series; the budget still holds."""
+    async with recording(api, tmp_path, max_series=50, queue_size=1000) as recorder:
+        for i in range(600):
+            recorder.warning(f"Reason{i % 300}", f"message {i}")
+        await until(lambda: recorder.debug_state()["queued"] == 0 and len(api.events) == 25, "the burst")
+        state = recorder.debug_state()
+        assert state["series"] == 50 and state["unwritten"] <= 50
+    assert len(api.events) == 25  # 25 tokens: the rest waits for the refill, a new one every 5 minutes

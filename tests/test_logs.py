@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from agent.base.logs import configure_logging, debug_enabled, next_request_id, set_level
+from agent.base.logs import Persistent, configure_logging, debug_enabled, next_request_id, set_level
 
 
 @pytest.fixture
@@ -74,3 +74,11 @@ def test_the_agent_loads_without_rich_until_someone_asks_for_it() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def test_a_persistent_condition_is_news_once_and_again_when_it_changes() -> None:
+    noise = Persistent()
+    levels = [noise.level(c) for c in ("no kubelet", "no kubelet", "no kubelet", "refused", "refused")]
+    assert levels == [logging.WARNING, logging.DEBUG, logging.DEBUG, logging.WARNING, logging.DEBUG]
+    noise.clear()  # the condition ended (registered): its return is news
+    assert noise.level("refused") == logging.WARNING

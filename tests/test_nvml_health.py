@@ -126,6 +126,43 @@ async def test_xid_events_end_to_end_with_the_health_monitor(tmp_path: Path) -> 
     assert threading.get_ident() not in fake.call_threads()
 
 
+async def test_xid_79_on_a_lost_gpu_takes_out_only_that_gpu(tmp_path: Path) -> None:
+    """The event names its device by handle. Reading that handle's UUID fails with GPU_IS_LOST
+    for the very GPU an Xid 79 is about; identified that way, the event was blamed on every GPU
+    ("Xid 79: event on a device NVML could not identify")."""
+    fake = h100_node()
+    b = await opened(fake, tmp_path, EVENTS)
+    inventory = await b.load()
+    monitor = HealthMonitor(config=EVENTS)
+    monitor.set_inventory(inventory)
+    lost, other = inventory.gpus[0].uuid, inventory.gpus[1].uuid
+    async with watching(b, inventory, also=monitor.observe) as signals:
+        await waits(fake)
+        fake.gpus[0].lost = True
+        fake.inject_event(0, XID, 79)
+        fake.inject_event(1, XID, 13)  # after it on the same thread: everything the first caused is in
+        got = [await next_signal(signals, not_ok)]
+        while (got[-1].uuid, got[-1].xid) != (other, 13):
+            got.append(await next_signal(signals, not_ok))
+    assert [(s.uuid, s.kind, s.xid) for s in got] == [(lost, SignalKind.XID, 79), (other, SignalKind.XID, 13)]
+    assert [g.uuid for g in inventory if not monitor.is_healthy(g.uuid)] == [lost]
+
+
+def test_handles_are_matched_by_the_address_they_hold() -> None:
+    """nvidia-ml-py's handles are ctypes pointers: a new object per call, equal only by address."""
+    import ctypes
+
+    import pynvml
+
+    device, another = pynvml.struct_c_nvmlDevice_t(), pynvml.struct_c_nvmlDevice_t()
+    held = ctypes.pointer(device)
+    event = pynvml.c_nvmlEventData_t()
+    event.device = ctypes.cast(ctypes.addressof(device), pynvml.c_nvmlDevice_t)
+    assert event.device != held  # what a dict keyed by the handle itself would miss
+    assert nvml_events.handle_key(event.device) == nvml_events.handle_key(held)
+    assert nvml_events.handle_key(ctypes.pointer(another)) != nvml_events.handle_key(held)
+
+
 async def test_ecc_events(tmp_path: Path) -> None:
     fake = h100_node()
     b = await opened(fake, tmp_path, EVENTS)
@@ -253,6 +290,25 @@ async def test_registration_failing_with_unknown_recreates_the_set_without_that_
         assert back.uuid == refusing
     assert monitor.state(refusing) is HealthState.HEALTHY
     assert fake.live_sets() == [] and all(s.freed for s in fake.event_sets)
+
+
+async def test_a_gpu_that_keeps_refusing_registration_leaves_the_others_monitored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each retry of the refusing GPU frees the set, so for a backoff no GPU is watched. Timed
+    from when the refusing GPU went blind, that moment took every other GPU out as UNKNOWN at
+    every retry (and made the test above name GPU 0 first when a loaded machine was slow)."""
+    monkeypatch.setattr(nvml_events, "REFUSED_RETRY_MIN_S", 0.2)
+    fake = h100_node()
+    fake.gpus[2].register_error = fake_pynvml.NVML_ERROR_UNKNOWN
+    b = await opened(fake, tmp_path, EVENTS, blind_after_s=0.1)
+    inventory = await b.load()
+    refusing = inventory.gpus[2].uuid
+    async with watching(b, inventory) as signals:
+        # sets: refused, without it, refused again on the retry, without it, refused, without it
+        await until(lambda: len(fake.event_sets) >= 6)
+    seen = [signals.get_nowait() for _ in range(signals.qsize())]
+    assert [s.uuid for s in seen if s.kind in (SignalKind.UNMONITORED, SignalKind.MONITORED)] == [refusing]
 
 
 async def test_a_wait_that_keeps_failing_takes_gpus_out_as_unknown_until_events_flow(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from agent.core.config.schema import Owner, PluginConfig, TimeSlicingConfig
 from agent.core.inventory.current import InventoryState
@@ -66,6 +67,25 @@ async def test_register_failures_are_retried_and_visible() -> None:
         await h.settled()
         assert h.kubelet.current is not None and h.kubelet.current.registrations(GPU) == 1
         assert h.manager.debug_state()["resources"][GPU]["last_register_error"] == ""  # type: ignore[index]
+
+
+async def test_no_kubelet_is_said_once_then_at_debug_and_again_when_it_changes() -> None:
+    """With no kubelet, "registration with the kubelet failed" was a warning at every retry:
+    every 30 s, for as long as the node had no kubelet."""
+    with capture_logs() as logs:
+        async with plugin_harness(start_kubelet=False) as h:
+            await wait_for(lambda: h.manager.servers[GPU].attempts >= 4, what="register retries")
+            h.kubelet.reject = "the ResourceName is invalid"  # a different failure: news
+            await h.kubelet.start()
+            await wait_for(lambda: "ResourceName is invalid" in h.manager.servers[GPU].last_error, what="rejection")
+            h.kubelet.reject = ""
+            await h.wait_ready()
+    failed = [e for e in logs if e["event"] == "registration with the kubelet failed"]
+    said = [e["error"] for e in failed if e["log_level"] == "warning"]
+    assert len(said) == 2 and "FileNotFoundError" in said[0] and "ResourceName is invalid" in said[1], said
+    assert sum(e["log_level"] == "debug" for e in failed) >= 3
+    again = [e["log_level"] for e in logs if e["event"] == "registering with the kubelet again"]
+    assert again.count("info") <= 1, again  # a retry after a failure is the failure's own news
 
 
 async def test_kubelet_rejection_is_retried() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli.status import render, rows_from_state
-from tests.agentproc import AgentProcess, run_cli
+from agent.cli.status import render, rows_from_state, summary
+from tests.agentproc import AgentProcess, run_cli, wait_for
 from tests.test_plugin_fakes import short_tmpdir
 
 STATE = {
@@ -101,6 +101,49 @@ def test_rows_and_the_80_column_view() -> None:
     assert "  repairing: device-plugin nvidia.com/gpu kubelet-allocatable\n    the kubelet counts 0" in text
 
 
+NOT_LISTENING = "cannot listen on /var/lib/kubelet/device-plugins/gpu-node-agent-nvidia-gpu.sock: Permission denied"
+TROUBLED = {
+    **STATE,
+    "readiness": {
+        "ready": False,
+        "checks": {
+            "inventory": "4 GPUs (nvml)",
+            "device-plugin": NOT_LISTENING,
+            "cdi": "/var/run/cdi: Permission denied",
+        },
+        "failing": ["device-plugin", "cdi"],
+    },
+    "config": {"version": "a1b2c3", "last_error": "ownership.default: expected one of device-plugin, dra, none"},
+    "mechanisms": {
+        "device-plugin": {"usage": {"known": False, "reason": "no PodResources socket at /k/kubelet.sock"}},
+        "dra": {"usage": {"known": True, "reason": ""}},
+    },
+}
+
+
+def test_status_carries_what_readyz_knows() -> None:
+    """It said "serving" over healthy GPUs while /readyz was 503, showed no refused config, and
+    showed an unknown holder as "-", which reads as nobody."""
+    rows = rows_from_state(TROUBLED)
+    text = render(TROUBLED, rows)
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    lines = text.splitlines()
+    assert lines[0].startswith("node gpu-node-7  NOT READY  serving")
+    assert "not ready: device-plugin: cannot listen on" in text and "not ready: cdi: /var/run/cdi: Permission" in text
+    assert "config refused, still on version a1b2c3: ownership.default: expected one of" in text
+    assert "held by ?: device-plugin cannot tell who uses its GPUs: no PodResources socket" in text
+    held = {line[:3].strip(): line[61:].strip() for line in lines if line[:3].strip().isdigit()}
+    # GPU 1 drains from the device plugin and 2, 3 are its own: unknown; 0 is DRA's, which can tell
+    assert held == {"0": "claim ml/c1", "1": "ml/train-0 +?", "2": "?", "3": "?"}
+    doc = summary(TROUBLED, rows)
+    assert doc["ready"] is False and doc["not_ready"] == {
+        "device-plugin": NOT_LISTENING,
+        "cdi": "/var/run/cdi: Permission denied",
+    }
+    assert doc["config_error"] == "ownership.default: expected one of device-plugin, dra, none"
+    assert [g["holders_known"] for g in doc["gpus"]] == [True, False, False, False]  # type: ignore[index]
+
+
 @pytest.mark.integration
 def test_status_against_a_running_agent() -> None:
     with short_tmpdir() as root:  # socket paths stay under 108 bytes
@@ -108,7 +151,9 @@ def test_status_against_a_running_agent() -> None:
 
 
 def _status_against_a_running_agent(root: Path) -> None:
-    agent = AgentProcess(root, ["--simulated"])
+    config = root / "config.yaml"
+    config.write_text("{}\n")
+    agent = AgentProcess(root, ["--simulated", "--config", str(config)])
     try:
         agent.wait_ready()
         result = run_cli("status", "--json", "--debug-addr", f"127.0.0.1:{agent.port}")
@@ -118,7 +163,15 @@ def _status_against_a_running_agent(root: Path) -> None:
         assert {g["owner"] for g in doc["gpus"]} == {"device-plugin"}
         assert all(set(g) >= {"desired_owner", "health", "holders", "gpu_utilization_percent"} for g in doc["gpus"])
         table = run_cli("status", "--debug-addr", f"127.0.0.1:{agent.port}")
-        assert table.returncode == 0 and "node test-node  serving" in table.stdout
+        assert table.returncode == 0 and "node test-node  ready  serving" in table.stdout
+        assert "held by ?: device-plugin cannot tell who uses its GPUs: no PodResources socket" in table.stdout
+        config.write_text("ownership: {default: everyone}\n")  # refused: the agent keeps the last good one
+
+        def refused() -> str:
+            out = run_cli("status", "--debug-addr", f"127.0.0.1:{agent.port}").stdout
+            return out if "config refused, still on version" in out else ""
+
+        assert "ownership.default" in wait_for(refused, 15, "the refused config on the status")
     finally:
         agent.kill()
     down = run_cli("status", "--debug-addr", "127.0.0.1:1")

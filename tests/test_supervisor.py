@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agent.base.errors import BackendError
-from agent.runtime.supervisor import AgentCrashed, supervise
+from agent.runtime.supervisor import AgentCrashed, supervise, supervised
 
 
 async def forever(cancelled: list[str], name: str) -> None:
@@ -57,3 +57,22 @@ async def test_stop_cancels_everything_and_returns() -> None:
     stop.set()
     await asyncio.wait_for(task, 5)
     assert cancelled == ["a"]
+
+
+async def test_a_start_up_failure_in_the_body_comes_out_as_itself() -> None:
+    """Not wrapped in an ExceptionGroup: on Python before 3.11.4 ``except*`` wrapped it."""
+    cancelled: list[str] = []
+    with pytest.raises(BackendError) as raised:
+        async with supervised() as supervisor:
+            supervisor.start("a", lambda: forever(cancelled, "a"))
+            await asyncio.sleep(0)
+            raise BackendError("debug endpoint cannot listen")
+    assert type(raised.value) is BackendError and str(raised.value) == "debug endpoint cannot listen"
+    assert cancelled == ["a"]
+
+
+async def test_a_bug_in_the_body_keeps_its_traceback() -> None:
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with supervised():
+            raise ZeroDivisionError
+    assert raised.group_contains(ZeroDivisionError)

@@ -10,6 +10,7 @@ from agent.core.config.schema import HealthConfig
 from agent.core.health.model import Signal
 from agent.core.inventory.model import Inventory
 from agent.core.inventory.sample import DeviceSample
+from agent.core.partitioning import MigControl, MpsControl, NoMig, NoMps
 
 #: Health sources call this from the event loop thread (thread-based sources hop to the
 #: loop with ``loop.call_soon_threadsafe`` first).
@@ -23,9 +24,18 @@ class Backend(Protocol):
     as a task that runs until cancelled, and ``close`` (idempotent, also safe when ``open`` failed).
     ``load`` may answer an empty inventory (with ``Inventory.reason``) and later the node's
     GPUs: a backend that waits for its driver keeps trying on every ``load``.
+
+    ``mig`` and ``mps`` carve GPUs at run time (:mod:`agent.core.partitioning`); a backend that
+    cannot has ``NoMig`` / ``NoMps``. MIG instances made or destroyed show in the next ``load``.
     """
 
     name: str
+
+    @property
+    def mig(self) -> MigControl: ...
+
+    @property
+    def mps(self) -> MpsControl: ...
 
     async def open(self) -> None: ...
 
@@ -74,6 +84,8 @@ class NullBackend:
 
     def __init__(self, reason: str = "no GPUs found") -> None:
         self.reason = reason
+        self.mig: MigControl = NoMig(f"no GPUs on this node: {reason}")
+        self.mps: MpsControl = NoMps(f"no GPUs on this node: {reason}")
 
     async def open(self) -> None:
         return None

@@ -35,6 +35,8 @@ LIBRARY_DIRS = (
     "/usr/lib",
     "/usr/local/nvidia/lib64",
 )
+#: where the driver's programs (nvidia-smi, nvidia-cuda-mps-control, ...) are installed
+UTILITY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
 #: the driver's anchor libraries: a directory holding one of them holds the driver
 DRIVER_LIBRARY_PREFIXES = ("libnvidia-ml.so", "libcuda.so")
 #: symlink hops followed before a path counts as unresolvable (the kernel's limit is 40)
@@ -161,3 +163,14 @@ def find_library(root: Path, name: str, machine: str | None = None) -> LibrarySe
             return LibrarySearch(name=name, root=root, found=in_root(root, real), looked_in=tuple(looked))
     looked.extend(str(in_root(root, d)) for d in LIBRARY_DIRS if resolve_in_root(root, d) is not None)
     return LibrarySearch(name=name, root=root, found=None, looked_in=tuple(looked))
+
+
+def find_utility(root: Path, name: str) -> str | None:
+    """The driver program ``name`` (e.g. ``nvidia-smi``) under ``root``: the path inside the root it
+    was found at (``/usr/bin/nvidia-smi``; symlinks not resolved), or None. Blocking: a few stats."""
+    for directory in UTILITY_DIRS:
+        path = f"{directory}/{name}"
+        real = resolve_in_root(root, path)
+        if real is not None and in_root(root, real).is_file():
+            return path
+    return None

@@ -19,6 +19,9 @@ from agent.core.config.schema import Config
 
 log = structlog.get_logger("agent.inventory")
 
+#: MPS daemons' directories, under the agent's state directory
+MPS_DIR = "mps"
+
 
 async def open_backend(config: Config, *, node_name: str | None = None, wait_for_driver: bool = True) -> Backend:
     """An opened backend; raises an AgentError subclass (one-line message) on failure.
@@ -30,7 +33,12 @@ async def open_backend(config: Config, *, node_name: str | None = None, wait_for
     if config.backend == "simulated":
         from agent.backends.simulated import SimulatedBackend
 
-        backend = SimulatedBackend(preset=config.preset, node_name=node_name or config.node_name, health=config.health)
+        backend = SimulatedBackend(
+            preset=config.preset,
+            node_name=node_name or config.node_name,
+            health=config.health,
+            mps_dir=config.state_dir / MPS_DIR,
+        )
     else:
         from agent.backends.nvml.backend import NvmlBackend, import_binding
 
@@ -48,6 +56,7 @@ async def open_backend(config: Config, *, node_name: str | None = None, wait_for
                 required=config.backend == "nvml",
                 wait_for_driver=wait_for_driver,
                 nvml=binding,
+                mps_dir=config.state_dir / MPS_DIR,
             )
     try:
         await backend.open()

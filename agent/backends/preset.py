@@ -13,7 +13,8 @@ Preset files (built-ins live in ``agent/backends/presets/``; see ``docs/simulate
       memory_mib: 81559
       numa_node: 0
       brand: Nvidia               # NVML's brand as NVIDIA's DRA driver spells it (default Nvidia)
-    mig_profiles: {1g.10gb: 9856}  # MiB per MIG profile; default <N>gb * 1024
+      mig_model: h100-80gb        # the GPU's MIG profile table (agent.backends.migprofiles)
+    mig_profiles: {1g.10gb: 9856}  # MiB per MIG profile; default: the model's, else <N>gb * 1024
     gpus:                         # one entry per GPU, in index order
       - pci_bus_id: "00000000:18:00.0"   # default 00000000:<index + 1>:00.0
         # also: index, minor, uuid (GPU-...), any defaults field, mig_enabled, pcie_root
@@ -28,25 +29,38 @@ Preset files (built-ins live in ``agent/backends/presets/``; see ``docs/simulate
 
 UUIDs not given in the file are ``uuid5(namespace, "<node>/<preset>/gpu/<index>[/mig/<n>]")``
 written as ``GPU-<uuid>`` / ``MIG-<uuid>``, so two nodes running the same preset never share a
-UUID. MIG GPU-instance ids follow the driver's placement numbering on A100/H100-class GPUs
-(7g: 0, 4g: 1, 3g: 1-2, 2g: 3-5, 1g: 7-13); compute instance ids default to 0; capability
-minors follow ``/proc/driver/nvidia-caps/mig-minors``.
+UUID. A GPU with a ``mig_model`` can do MIG: it offers that model's profiles and placements
+(``Gpu.mig_profiles``), and its listed MIG devices must be profiles of the model. MIG devices
+are placed as the driver places them, and their GPU-instance ids follow the placement
+(:func:`agent.backends.migprofiles.gpu_instance_id`; on A100/H100-class GPUs 7g: 0, 4g: 1,
+3g: 1-2, 2g: 3-5, 1g: 7-13); compute instance ids default to 0; capability minors follow
+``/proc/driver/nvidia-caps/mig-minors``.
 """
 
 from __future__ import annotations
 
 import re
 import uuid as uuidlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Literal
 
+from agent.backends.migprofiles import MODELS, MigModel, cap_minors, gpu_instance_id, placement_of
 from agent.base.errors import ConfigError
 from agent.core.config.loader import convert, convert_dataclass, parse_yaml_mapping
 from agent.core.config.reader import read_file_bounded
-from agent.core.inventory.model import Gpu, Inventory, Link, MigDevice, PcieLevel, link_key
+from agent.core.inventory.model import (
+    Gpu,
+    Inventory,
+    Link,
+    MigDevice,
+    MigPlacement,
+    MigProfile,
+    PcieLevel,
+    link_key,
+)
 
 DEFAULT_PRESET = "h100-8x-nvlink"
 _UUID_NAMESPACE = uuidlib.uuid5(uuidlib.NAMESPACE_DNS, "simulated.gpu-node-agent")
@@ -67,6 +81,16 @@ class VersionText(str):
         if isinstance(value, int | float) and not isinstance(value, bool):
             return cls(repr(value))
         raise ConfigError(f'{where}: expected a version string such as "9.0", got {value!r}')
+
+
+class MigModelName(str):
+    """A key of :data:`agent.backends.migprofiles.MODELS`."""
+
+    @classmethod
+    def from_config(cls, value: Any, where: str) -> MigModelName:
+        if isinstance(value, str) and value in MODELS:
+            return cls(value)
+        raise ConfigError(f"{where}: expected one of {', '.join(MODELS)}, got {value!r}")
 
 
 DRIVER_VERSION = VersionText("570.124.06")
@@ -98,6 +122,7 @@ class GpuDefaults:
     memory_mib: int | None = None
     numa_node: int | None = None
     brand: str | None = None
+    mig_model: MigModelName | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +138,7 @@ class GpuSpec:
     numa_node: int | None = None
     brand: str | None = None
     pcie_root: str | None = None
+    mig_model: MigModelName | None = None
     mig_enabled: bool | None = None  # default: true when ``mig`` lists devices
     mig: tuple[MigSpec, ...] = ()
 
@@ -205,14 +231,10 @@ DEFAULT_BRAND = "Nvidia"
 _PCIE_ROOT = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 _BUS_ID = re.compile(r"^(?:[0-9A-Fa-f]{4}|[0-9A-Fa-f]{8}):[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 _PROFILE = re.compile(r"^(\d+)g\.(\d+)gb(?:\+me)?$")
-# A100/H100 MIG geometry: 7 compute slices over 8 memory slices. Per compute-slice count:
-# memory slices used, allowed start slices, and the GPU instance id at the first start.
-_MIG_MEMORY_SLICES = {1: 1, 2: 2, 3: 4, 4: 4, 7: 8}
-_MIG_STARTS = {1: (0, 1, 2, 3, 4, 5, 6), 2: (0, 2, 4), 3: (0, 4), 4: (0,), 7: (0,)}
-_MIG_GI_BASE = {1: 7, 2: 3, 3: 1, 4: 1, 7: 0}
-_CAPS_FIRST_GPU_MINOR = 3  # after "config 1" and "monitor 2"
-_CAPS_PER_GI = 9  # gi access + 8 ci access minors
-_CAPS_PER_GPU = 15 * _CAPS_PER_GI
+# Without a model: the A100/H100 geometry, 7 compute slices over 8 memory slices, per
+# compute-slice count (memory slices per instance, start slices)
+_GENERIC_SLICES = 8
+_GENERIC_SHAPES = {1: (1, (0, 1, 2, 3, 4, 5, 6)), 2: (2, (0, 2, 4)), 3: (4, (0, 4)), 4: (4, (0,)), 7: (8, (0,))}
 
 
 def derived_uuid(prefix: str, node_name: str, preset_key: str, *path: int | str) -> str:
@@ -261,7 +283,10 @@ def _build_gpu(spec: PresetSpec, position: int, node_name: str, preset_key: str)
     mig_enabled = bool(g.mig) if g.mig_enabled is None else g.mig_enabled
     if g.mig and not mig_enabled:
         raise ConfigError(f"{where}.mig: MIG devices listed but mig_enabled is false")
-    migs = _build_migs(spec, g, uuid, index, minor, node_name, preset_key, where)
+    model_key = g.mig_model or d.mig_model
+    profiles = _model_profiles(MODELS[model_key], spec.mig_profiles) if model_key else ()
+    shape = _MigShape(MODELS[model_key].memory_slices if model_key else _GENERIC_SLICES, profiles)
+    migs = _build_migs(spec, g, uuid, index, minor, node_name, preset_key, where, shape)
     numa = g.numa_node if g.numa_node is not None else d.numa_node
     root = g.pcie_root or default_pcie_root(numa)
     if not _PCIE_ROOT.fullmatch(root):
@@ -280,7 +305,14 @@ def _build_gpu(spec: PresetSpec, position: int, node_name: str, preset_key: str)
         mig_devices=migs,
         brand=g.brand or d.brand or DEFAULT_BRAND,
         pcie_root=root,
+        mig_memory_slices=shape.memory_slices if profiles else 0,
+        mig_profiles=profiles,
     )
+
+
+def _model_profiles(model: MigModel, memory: dict[str, int]) -> tuple[MigProfile, ...]:
+    """The model's profiles, with the preset's ``mig_profiles`` memory where it names one."""
+    return tuple(replace(p, memory_mib=memory.get(p.name, p.memory_mib)) for p in model.profiles)
 
 
 def default_pcie_root(numa_node: int | None) -> str:
@@ -291,32 +323,67 @@ def default_pcie_root(numa_node: int | None) -> str:
     return f"pci{node:04x}:00"
 
 
-def _build_migs(
-    spec: PresetSpec, g: GpuSpec, parent: str, index: int, minor: int, node_name: str, preset_key: str, where: str
-) -> tuple[MigDevice, ...]:
-    slices: list[int] = []
-    sizes_gb: list[int] = []
-    for j, m in enumerate(g.mig):
-        match = _PROFILE.fullmatch(m.profile)
+@dataclass(frozen=True, slots=True)
+class _MigShape:
+    """Where a GPU's MIG devices may sit: its model's profiles, or the generic geometry."""
+
+    memory_slices: int
+    profiles: tuple[MigProfile, ...]
+
+    def placements(self, name: str, where: str) -> tuple[tuple[MigPlacement, ...], MigProfile | None]:
+        if self.profiles:
+            profile = next((p for p in self.profiles if p.name == name), None)
+            if profile is None:
+                known = ", ".join(p.name for p in self.profiles)
+                raise ConfigError(f"{where}.profile: {name!r} is not a profile of this GPU (known: {known})")
+            return profile.placements, profile
+        match = _PROFILE.fullmatch(name)
         if match is None:
-            raise ConfigError(f"{where}.mig[{j}].profile: expected <N>g.<M>gb, got {m.profile!r}")
-        slices.append(int(match.group(1)))
-        sizes_gb.append(int(match.group(2)))
-        if m.gpu_instance_id is None and slices[-1] not in _MIG_STARTS:
+            raise ConfigError(f"{where}.profile: expected <N>g.<M>gb, got {name!r}")
+        size, starts = _GENERIC_SHAPES.get(int(match.group(1)), (0, ()))
+        return tuple(MigPlacement(start=s, size=size) for s in starts), None
+
+
+def _build_migs(
+    spec: PresetSpec,
+    g: GpuSpec,
+    parent: str,
+    index: int,
+    minor: int,
+    node_name: str,
+    preset_key: str,
+    where: str,
+    shape: _MigShape,
+) -> tuple[MigDevice, ...]:
+    if len(g.mig) > shape.memory_slices:  # every instance takes a memory slice; bounds the fitting
+        raise ConfigError(f"{where}.mig: {len(g.mig)} MIG devices, a GPU holds at most {shape.memory_slices}")
+    options: list[tuple[MigPlacement, ...]] = []
+    profiles: list[MigProfile | None] = []
+    for j, m in enumerate(g.mig):
+        placements, profile = shape.placements(m.profile, f"{where}.mig[{j}]")
+        if m.gpu_instance_id is None and not placements:
             raise ConfigError(f"{where}.mig[{j}]: no automatic placement for {m.profile!r}; set gpu_instance_id")
         if m.memory_mib is not None and m.memory_mib <= 0:
             raise ConfigError(f"{where}.mig[{j}].memory_mib: must be positive, got {m.memory_mib}")
-    gi_ids = _place_gpu_instances(g.mig, slices, where)
+        options.append(placements)
+        profiles.append(profile)
+    placed = _place(g.mig, options, shape.memory_slices, where)
     out: list[MigDevice] = []
     for j, m in enumerate(g.mig):
-        gi, ci = gi_ids[j], m.compute_instance_id
-        if not 0 <= gi <= 14 or not 0 <= ci <= 7:
+        placement = placed[j]
+        gi = m.gpu_instance_id
+        if gi is None and placement is not None:  # auto-placed: the id follows the placement
+            gi = gpu_instance_id(placement, shape.memory_slices)
+        ci = m.compute_instance_id
+        if gi is None or not 0 <= gi <= 14 or not 0 <= ci <= 7:
             raise ConfigError(f"{where}.mig[{j}]: gpu_instance_id must be 0-14 and compute_instance_id 0-7")
         uuid = m.uuid or derived_uuid("MIG", node_name, preset_key, "gpu", index, "mig", j)
         if not uuid.startswith("MIG-"):
             raise ConfigError(f"{where}.mig[{j}].uuid: MIG UUIDs start with 'MIG-', got {uuid!r}")
-        memory = m.memory_mib or spec.mig_profiles.get(m.profile, sizes_gb[j] * 1024)
-        gi_minor = _CAPS_FIRST_GPU_MINOR + minor * _CAPS_PER_GPU + gi * _CAPS_PER_GI
+        profile = profiles[j]
+        gb = _PROFILE.fullmatch(m.profile)
+        fallback = profile.memory_mib if profile is not None else int(gb.group(2)) * 1024 if gb else 0
+        gi_minor, ci_minor = cap_minors(minor, gi, ci)
         out.append(
             MigDevice(
                 uuid=uuid,
@@ -325,9 +392,11 @@ def _build_migs(
                 gpu_instance_id=gi,
                 compute_instance_id=ci,
                 profile=m.profile,
-                memory_mib=memory,
+                memory_mib=m.memory_mib or spec.mig_profiles.get(m.profile, fallback),
                 gi_cap_minor=gi_minor,
-                ci_cap_minor=gi_minor + 1 + ci,
+                ci_cap_minor=ci_minor,
+                profile_id=profile.profile_id if profile is not None else None,
+                placement=placement,
             )
         )
     pairs = [(m.gpu_instance_id, m.compute_instance_id) for m in out]
@@ -336,33 +405,38 @@ def _build_migs(
     return tuple(out)
 
 
-def _place_gpu_instances(migs: tuple[MigSpec, ...], slices: list[int], where: str) -> list[int]:
-    """GPU instance ids: explicit ones as given, the rest placed to fit (largest first)."""
-    auto = sorted((j for j, m in enumerate(migs) if m.gpu_instance_id is None), key=lambda j: -slices[j])
-    starts: dict[int, int] = {}
+def _place(
+    migs: tuple[MigSpec, ...], options: list[tuple[MigPlacement, ...]], slices: int, where: str
+) -> list[MigPlacement | None]:
+    """Placements: explicit GPU instance ids where they name one, the rest fitted largest first."""
+    placed: list[MigPlacement | None] = [None] * len(migs)
+    used = 0
+    for j, m in enumerate(migs):
+        if m.gpu_instance_id is not None and options[j]:
+            explicit = placement_of(m.gpu_instance_id, slices, options[j][0].size)
+            placed[j] = explicit if explicit in options[j] else None
+            used |= _mask(explicit) if explicit in options[j] else 0
+    auto = sorted((j for j, m in enumerate(migs) if m.gpu_instance_id is None), key=lambda j: -options[j][0].size)
 
-    def fit(k: int, used: int) -> bool:  # depth-first over placements; at most 7 devices
+    def fit(k: int, used: int) -> bool:  # depth-first over placements; at most 8 devices
         if k == len(auto):
             return True
         j = auto[k]
-        size = _MIG_MEMORY_SLICES[slices[j]]
-        for start in _MIG_STARTS[slices[j]]:
-            mask = ((1 << size) - 1) << start
+        for placement in options[j]:
+            mask = _mask(placement)
             if not used & mask and fit(k + 1, used | mask):
-                starts[j] = start
+                placed[j] = placement
                 return True
         return False
 
-    if not fit(0, 0):
+    if not fit(0, used):
         profiles = ", ".join(migs[j].profile for j in auto)
-        raise ConfigError(f"{where}.mig: {profiles} do not fit on one GPU (7 compute, 8 memory slices)")
-    out: list[int] = []
-    for j, m in enumerate(migs):
-        if m.gpu_instance_id is not None:
-            out.append(m.gpu_instance_id)
-        else:
-            out.append(_MIG_GI_BASE[slices[j]] + _MIG_STARTS[slices[j]].index(starts[j]))
-    return out
+        raise ConfigError(f"{where}.mig: {profiles} do not fit on one GPU ({slices} memory slices)")
+    return placed
+
+
+def _mask(placement: MigPlacement | None) -> int:
+    return 0 if placement is None else ((1 << placement.size) - 1) << placement.start
 
 
 def _check_unique(gpus: tuple[Gpu, ...]) -> None:

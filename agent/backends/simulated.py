@@ -5,6 +5,8 @@ deterministic: the same preset on the same node name gives the same inventory an
 health changes only when :meth:`SimulatedBackend.inject` says so.
 
 The preset format and how inventories are built from it live in ``agent.backends.preset``.
+MIG instances are made and destroyed in memory (:class:`~agent.backends.simulated_mig.SimulatedMig`)
+and MPS daemons are records (:class:`~agent.backends.simulated_mps.SimulatedMps`).
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import asyncio
 import contextlib
 import hashlib
 import threading
+from pathlib import Path
 
 import structlog
 
 from agent.backends.backend import SignalSink
-from agent.backends.preset import LoadedPreset, build_inventory, load_preset, preset_names
+from agent.backends.preset import LoadedPreset, build_inventory, derived_uuid, load_preset, preset_names
+from agent.backends.simulated_mig import SimulatedMig
+from agent.backends.simulated_mps import SimulatedMps
 from agent.base.errors import AgentError, DeviceNotFoundError
 from agent.core.config.schema import HealthConfig
 from agent.core.health.model import Signal, SignalKind
-from agent.core.inventory.model import Inventory
+from agent.core.inventory.model import Gpu, Inventory
 from agent.core.inventory.sample import DeviceSample
+from agent.core.partitioning import MpsControl, NoMps, PartitionErrorKind
 
 log = structlog.get_logger("agent.inventory.simulated")
 
@@ -35,13 +41,23 @@ class SimulatedBackend:
     (``CHECK_OK``) unless an operator fault (``inject(..., healthy=False)`` without an Xid) is
     on it; injected Xids are one-shot events, exactly like NVML's, so policy and hysteresis
     decide what they mean.
+
+    ``mps_dir``: where MPS daemons' pipe and log directories go (the agent's state directory
+    plus ``mps``); without one the node has no MPS.
     """
 
     name = "simulated"
 
-    def __init__(self, *, preset: str, node_name: str, health: HealthConfig) -> None:
+    def __init__(self, *, preset: str, node_name: str, health: HealthConfig, mps_dir: Path | None = None) -> None:
         self._preset, self._node_name = preset, node_name
-        self._inventory = self._build()
+        self.mig = SimulatedMig(uuid_for=self._mig_uuid)
+        self._base = self._build()  # the preset's inventory; MIG state is laid over it
+        self._inventory = self.mig.apply(self._base)  # the inventory under watch (inject's view)
+        self.mps: MpsControl = (
+            SimulatedMps(base_dir=mps_dir, known=self._known)
+            if mps_dir is not None
+            else NoMps("simulated MPS needs a state directory (none given)")
+        )
         self._health = health
         self._health_changed = asyncio.Event()
         self._emit: SignalSink | None = None
@@ -63,16 +79,28 @@ class SimulatedBackend:
         return loaded, inventory
 
     async def load(self) -> Inventory:
-        """The node's devices. A preset *file* is read again, so editing it simulates a change
-        of hardware (MIG reconfiguration, a GPU gone); a bad edit raises ConfigError. The file
-        is read and parsed in a worker thread (up to 1 MiB of YAML)."""
+        """The node's devices, with the MIG instances made and destroyed so far. A preset *file*
+        is read again, so editing it simulates a change of hardware (MIG reconfiguration, a GPU
+        gone: the GPUs it changes start again from the file); a bad edit raises ConfigError. The
+        file is read and parsed in a worker thread (up to 1 MiB of YAML)."""
         if self._preset not in preset_names():
-            loaded, self._inventory = await asyncio.to_thread(self._read)
+            loaded, self._base = await asyncio.to_thread(self._read)
             self.preset_key, self.description = loaded.key, loaded.spec.description
-        return self._inventory
+        return self.mig.apply(self._base)
+
+    def _mig_uuid(self, gpu: Gpu, gpu_instance: int, compute_instance: int) -> str:
+        """A MIG device made at run time: the same GPU, instance IDs, node and preset give the same UUID."""
+        return derived_uuid(
+            "MIG", self._node_name, self.preset_key, "gpu", gpu.index, "gi", gpu_instance, "ci", compute_instance
+        )
+
+    def _known(self, uuid: str) -> bool:
+        current = self.mig.apply(self._base)
+        return current.find(uuid) is not None or current.find_mig(uuid) is not None
 
     async def close(self) -> None:
-        return None
+        if isinstance(self.mps, SimulatedMps):
+            await self.mps.close()
 
     async def sample(self, inventory: Inventory, *, busy: frozenset[str]) -> dict[str, DeviceSample]:
         """Plausible, deterministic readings: a held GPU works (40-95 %, a quarter to most of its
@@ -116,6 +144,7 @@ class SimulatedBackend:
             "preset": self.preset_key,
             "description": self.description,
             "faulted": sorted(self._faulted),
+            "mig": self.mig.status(),
         }
 
     async def watch_health(self, inventory: Inventory, emit: SignalSink) -> None:
@@ -167,6 +196,20 @@ class SimulatedBackend:
         log.info("simulated health injected", device=target, gpu=gpu.uuid, kind=signal.kind.value, xid=signal.xid)
         emit(signal)
         return signal
+
+    def inject_mig_failure(self, op: str, kind: str, *, device: str | None = None, count: int = 1) -> dict[str, object]:
+        """Make the next ``count`` MIG ``op`` calls (``create``/``destroy``) on ``device`` (a GPU UUID
+        or index; None: any GPU) fail with ``kind`` (a :class:`PartitionErrorKind` value).
+
+        Raises ValueError for a bad ``op``, ``kind`` or ``count`` and DeviceNotFoundError for an
+        unknown GPU.
+        """
+        try:
+            error = PartitionErrorKind(kind)
+        except ValueError:
+            raise ValueError(f"kind must be one of {', '.join(k.value for k in PartitionErrorKind)}") from None
+        gpu = self.mig.inject_failure(op, error, gpu=device, count=count)
+        return {"op": op, "kind": error.value, "device": gpu, "count": count}
 
 
 def _seed(uuid: str) -> int:

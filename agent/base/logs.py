@@ -87,6 +87,28 @@ class LogThrottle:
         return count
 
 
+class Persistent:
+    """A condition that can last (no kubelet, a socket that cannot be made): news the first time
+    and whenever it changes, logged at the caller's level; the same again is logged at debug.
+
+    ``level(condition)`` is the stdlib level for this occurrence (``log.log(level, ...)``);
+    ``clear()`` when the condition has ended, so that its return is news again.
+    """
+
+    def __init__(self, level: int = logging.WARNING) -> None:
+        self._level = level
+        self._said: str | None = None
+
+    def level(self, condition: str) -> int:
+        if condition == self._said:
+            return logging.DEBUG
+        self._said = condition
+        return self._level
+
+    def clear(self) -> None:
+        self._said = None
+
+
 def debug_enabled(logger_name: str) -> Callable[[], bool]:
     """A cheap check for hot paths: whether ``logger_name`` logs at debug now (follows
     :func:`set_level` live). Reads the effective level, as ``filter_by_level`` does."""

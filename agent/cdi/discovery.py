@@ -32,7 +32,7 @@ from pathlib import Path, PurePosixPath
 
 import structlog
 
-from agent.backends.driverroot import LIBRARY_DIRS, in_root, library_listing, resolve_in_root
+from agent.backends.driverroot import LIBRARY_DIRS, find_utility, in_root, library_listing, resolve_in_root
 from agent.cdi.devnodes import GpuDrm, gpu_drm, stat_node
 from agent.cdi.errors import DriverDiscoveryError
 from agent.cdi.hooks import HOOK_CANDIDATES, HookBinary, HookLocator, driver_hooks, symlink_hook
@@ -51,7 +51,6 @@ UTILITIES = (
     "nvidia-cuda-mps-control",
     "nvidia-cuda-mps-server",
 )
-UTILITY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
 CONTROL_NODES = ("/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")  # optional
 CTL_NODE = "/dev/nvidiactl"  # required
 IPC_SOCKETS = ("/run/nvidia-persistenced/socket", "/run/nvidia-fabricmanager/socket")
@@ -316,12 +315,9 @@ class DriverDiscovery:
     def _utilities(self, root: Path, missing: list[str]) -> list[Mount]:
         out: list[Mount] = []
         for name in UTILITIES:
-            for d in UTILITY_DIRS:
-                path = f"{d}/{name}"
-                real = resolve_in_root(root, path)
-                if real is not None and in_root(root, real).is_file():
-                    out.append(self._mount(root, path))
-                    break
+            path = find_utility(root, name)
+            if path is not None:
+                out.append(self._mount(root, path))
             else:
                 missing.append(f"{root / 'usr/bin' / name}")
         return out

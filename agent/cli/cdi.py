@@ -24,6 +24,7 @@ from agent.cdi.driversource import choose_driver_source
 from agent.cdi.errors import CdiError, InvalidSpecError, SpecWriteError
 from agent.cdi.hooks import HOOK_CANDIDATES
 from agent.cdi.writer import atomic_write, read_spec_file, spec_files
+from agent.cli.options import DriverRootOpt, HostDriverRootOpt
 from agent.core.config.check import check_preset_flag
 from agent.core.config.schema import CdiConfig, Config, PathsConfig
 from agent.core.inventory.model import Inventory
@@ -129,16 +130,8 @@ def _load_config(config_file: Path | None, overrides: dict[str, Any]) -> Config:
 
 @cdi_app.command("generate")
 def generate_command(
-    driver_root: Annotated[
-        Path | None, typer.Option("--driver-root", help="where the driver's files live: / or e.g. /run/nvidia/driver")
-    ] = None,
-    host_driver_root: Annotated[
-        Path | None,
-        typer.Option(
-            "--host-driver-root",
-            help="where the host's container runtime sees the driver root, if not where this command does",
-        ),
-    ] = None,
+    driver_root: DriverRootOpt = None,
+    host_driver_root: HostDriverRootOpt = None,
     output: Annotated[str, typer.Option("--output", "-o", help="file to write atomically, or - for stdout")] = "-",
     config_file: Annotated[Path | None, typer.Option("--config", help="the agent's config file")] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="auto, nvml or simulated")] = None,

@@ -28,6 +28,7 @@ from agent import __version__
 from agent.base.errors import AgentError, ConfigError
 from agent.base.logs import configure_logging
 from agent.cli.cdi import cdi_app
+from agent.cli.options import DriverRootOpt, HostDriverRootOpt
 from agent.core.config.check import check_preset_flag
 from agent.core.config.loader import build_config, env_overrides, load_config, read_document
 from agent.runtime import eventloop
@@ -166,19 +167,14 @@ def run(
     ] = None,
     cdi_root: Annotated[Path | None, typer.Option(help="CDI spec directory.", readable=False)] = None,
     state_dir: Annotated[Path | None, typer.Option(help="The agent's state directory.", readable=False)] = None,
-    driver_root: Annotated[
-        Path | None, typer.Option(help="Where the NVIDIA driver's files live.", readable=False)
-    ] = None,
-    host_driver_root: Annotated[
-        Path | None,
-        typer.Option(help="Where the host's container runtime sees the driver root (CDI specs).", readable=False),
-    ] = None,
+    driver_root: DriverRootOpt = None,
+    host_driver_root: HostDriverRootOpt = None,
     debug_addr: Annotated[str | None, typer.Option(help="Debug HTTP HOST:PORT (default 127.0.0.1:9477).")] = None,
     kubeconfig: Annotated[str | None, typer.Option(help="Kubeconfig file (default: in-cluster).")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT."""
-    from agent.runtime.app import RunOptions
+    from agent.runtime.phase1 import RunOptions
 
     overrides = collect_overrides(
         backend=backend,
@@ -280,12 +276,15 @@ def inventory(
     simulated: SimulatedOpt = False,
     preset: PresetOpt = None,
     node_name: NodeNameOpt = None,
+    driver_root: DriverRootOpt = None,
 ) -> None:
     """Print the devices the backend sees."""
     from agent.core.inventory.render import inventory_json, inventory_table
 
     configure_logging("warning")
-    overrides = collect_overrides(backend=backend, simulated=simulated, preset=preset, node_name=node_name)
+    overrides = collect_overrides(
+        backend=backend, simulated=simulated, preset=preset, node_name=node_name, paths__driver_root=driver_root
+    )
     with user_errors():
         cfg = load_config(config, overrides).config
         check_preset_flag(preset, cfg)
@@ -364,6 +363,7 @@ def config_plan(
     backend: BackendOpt = None,
     simulated: SimulatedOpt = False,
     preset: PresetOpt = None,
+    driver_root: DriverRootOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show, per GPU, what applying FILE would move and what each move would wait for; applies nothing.
@@ -378,7 +378,12 @@ def config_plan(
     with user_errors():
         labels = _parse_labels(label or [])
         overrides = collect_overrides(
-            backend=backend, simulated=simulated, preset=preset, node_name=node_name, debug_addr=debug_addr
+            backend=backend,
+            simulated=simulated,
+            preset=preset,
+            node_name=node_name,
+            debug_addr=debug_addr,
+            paths__driver_root=driver_root,
         )
         cfg = build_config(read_document(file), overrides)
         try:
@@ -403,7 +408,7 @@ def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show the node's GPUs: owner, health, who holds each one and how busy it is (from the running agent)."""
-    from agent.cli.status import render, rows_from_state
+    from agent.cli.status import render, rows_from_state, summary
     from agent.observe.debug.client import fetch_agent_state
 
     configure_logging("warning")
@@ -412,9 +417,7 @@ def status(
         state = fetch_agent_state(cfg.debug_addr)
     rows = rows_from_state(state)
     if as_json:
-        typer.echo(
-            json.dumps({"node": state.get("node", {}).get("name"), "gpus": [r.as_dict() for r in rows]}, indent=2)
-        )
+        typer.echo(json.dumps(summary(state, rows), indent=2))
     else:
         typer.echo(render(state, rows))
 

@@ -1,7 +1,12 @@
 """``gpu-agent status``: the node's GPUs at a glance, from the running agent's ``/debug/state``.
 
-Per GPU: owner (granted, and the desired one when they differ), health, who holds it and how
-busy it is. Readable at 80 columns; ``--json`` prints the same rows as JSON for scripts.
+The first line says whether the agent is ready, as ``/readyz`` does; the failing checks, a
+config change the agent refused (it runs on the last good one) and the mechanisms that cannot
+tell who holds their GPUs are named under the table. Per GPU: owner (granted, and the desired
+one when they differ), health, who holds it and how busy it is. HELD BY reads ``-`` when nobody
+holds the GPU and ``?`` when that is unknown (the mechanism that owns it, or that it drains
+from, cannot tell: no PodResources socket, say). Readable at 80 columns; ``--json`` prints the
+same as JSON for scripts.
 
 UTIL reads ``42%``, ``mig`` (MIG mode: NVML has no utilization counter), ``?`` (the newest
 reading is missing or stale: NVML failing or hung) or ``-`` (not sampled). Orphaned
@@ -10,9 +15,12 @@ allocations and watchdog repairs, when there are any, follow the table.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from agent.core.ownership.plan import drains_from, unknown_usage
 
 #: holders named on a row (the rest are counted)
 SHOWN_HOLDERS = 2
@@ -38,6 +46,8 @@ class StatusRow:
     utilization_known: bool | None = None
     utilization_reason: str = ""
     mig_enabled: bool = False
+    #: False: a mechanism that may hold the GPU (its owner, or the one it drains from) cannot tell
+    holders_known: bool = True
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,6 +58,7 @@ class StatusRow:
             "health": self.health,
             "health_cause": self.cause,
             "holders": list(self.holders),
+            "holders_known": self.holders_known,
             "gpu_utilization_percent": self.gpu_percent,
             "memory_used_mib": self.memory_used_mib,
             "memory_total_mib": self.memory_total_mib,
@@ -58,6 +69,7 @@ class StatusRow:
 
 def rows_from_state(state: Mapping[str, Any]) -> list[StatusRow]:
     rows = []
+    unknown = unknown_usage(state.get("mechanisms") or {})
     for d in state.get("devices") or ():
         holders = []
         for mechanism in (d.get("holders") or {}).values():
@@ -81,6 +93,7 @@ def rows_from_state(state: Mapping[str, Any]) -> list[StatusRow]:
                 utilization_known=util.get("known") if isinstance(util.get("known"), bool) else None,
                 utilization_reason=str(util.get("reason") or ""),
                 mig_enabled=d.get("mig_enabled") is True,
+                holders_known=drains_from(str(d.get("owner", ""))) not in unknown,
             )
         )
     return sorted(rows, key=lambda r: r.index)
@@ -94,11 +107,35 @@ def _int(value: Any) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def summary(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> dict[str, object]:
+    """``status --json``: the node, whether it is ready and why not, a refused config, the rows."""
+    readiness = state.get("readiness") or {}
+    checks = readiness.get("checks") or {}
+    config = state.get("config") or {}
+    return {
+        "node": (state.get("node") or {}).get("name"),
+        "ready": readiness.get("ready"),
+        "not_ready": {name: checks.get(name, "") for name in readiness.get("failing") or ()},
+        "config_error": config.get("last_error") or None,
+        "holders_unknown": unknown_usage(state.get("mechanisms") or {}),
+        "gpus": [r.as_dict() for r in rows],
+    }
+
+
+def _ready(state: Mapping[str, Any]) -> str:
+    readiness = state.get("readiness")
+    if not isinstance(readiness, Mapping):
+        return "readiness ?"  # an agent from before the state document carried it
+    return "ready" if readiness.get("ready") else "NOT READY"
+
+
 def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
     node = state.get("node") or {}
     lines = [
-        f"node {node.get('name', '?')}  {state.get('status', '')}  backend {state.get('backend', '')}"
-        f"  driver {state.get('driver_version') or '-'}",
+        _fit(
+            f"node {node.get('name', '?')}  {_ready(state)}  {state.get('status', '')}"
+            f"  backend {state.get('backend', '')}  driver {state.get('driver_version') or '-'}"
+        ),
         f"{'GPU':>3}  {'OWNER':<22}  {'HEALTH':<9}  {'UTIL':>4}  {'MEMORY':>13}  HELD BY",
     ]
     for r in rows:
@@ -111,9 +148,12 @@ def render(state: Mapping[str, Any], rows: Sequence[StatusRow]) -> str:
             memory = f"-/{r.memory_total_mib / 1024:.0f}GiB"
         else:
             memory = "-"
-        held = ", ".join(r.holders[:SHOWN_HOLDERS]) or "-"
+        held = ", ".join(r.holders[:SHOWN_HOLDERS])
         if len(r.holders) > SHOWN_HOLDERS:
             held += f" +{len(r.holders) - SHOWN_HOLDERS}"
+        if not r.holders_known:
+            held = f"{held} +?" if held else "?"
+        held = held or "-"
         lines.append(f"{r.index:>3}  {owner[:22]:<22}  {r.health[:9]:<9}  {util:>4}  {memory:>13}  {held[:21]}")
         if r.health != "healthy" and r.cause:
             lines.append(f"     {r.cause[:75]}")
@@ -134,8 +174,20 @@ def _util(r: StatusRow) -> str:
 
 
 def _notes(state: Mapping[str, Any]) -> list[str]:
-    """Lines under the table: orphaned allocations and watchdog disagreements, when there are any."""
+    """Lines under the table: why the agent is not ready, a refused config, holders nobody can
+    name, orphaned allocations and watchdog disagreements, when there are any."""
     lines: list[str] = []
+    readiness = state.get("readiness") or {}
+    checks = readiness.get("checks") or {}
+    for name in readiness.get("failing") or ():
+        lines.extend(_wrap(f"not ready: {name}: {checks.get(name, '')}"))
+    config = state.get("config") or {}
+    if config.get("last_error"):
+        lines.extend(
+            _wrap(f"config refused, still on version {config.get('version', '?')}: {config.get('last_error')}")
+        )
+    for name, reason in unknown_usage(state.get("mechanisms") or {}).items():
+        lines.extend(_wrap(f"held by ?: {name} cannot tell who uses its GPUs: {reason or 'no answer yet'}"))
     orphans = state.get("orphans") or {}
     listed = [o for o in (orphans.get("orphans") or ()) if isinstance(o, dict)]
     count = orphans.get("count") if isinstance(orphans.get("count"), int) else len(listed)
@@ -153,6 +205,11 @@ def _notes(state: Mapping[str, Any]) -> list[str]:
             lines.append(_fit(f"  {d.get('state')}: {d.get('mechanism')} {d.get('check')}"))
             lines.append(_fit(f"    {d.get('detail', '')}"))
     return lines
+
+
+def _wrap(text: str) -> list[str]:
+    """A note over as many 80-column lines as it needs (at most 3), continuation lines indented."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_on_hyphens=False, max_lines=3, placeholder=" ...")
 
 
 def _fit(line: str) -> str:

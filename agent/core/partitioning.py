@@ -13,8 +13,14 @@ Physical facts the implementations respect (NVIDIA's MIG user guide; ``nvml.h``)
 * :meth:`MigControl.create` makes the GPU instance and the one compute instance spanning it;
   when the compute instance cannot be made it destroys the GPU instance again before raising
   (never half-created);
-* MIG mode itself is not toggled here: it changes only with no process on the GPU and, on many
-  models, a reset.
+* MIG mode changes only with no process on the GPU and, before Hopper, a reset. So
+  :meth:`MigControl.create` on a GPU whose MIG mode is off switches it on first where that
+  needs no reset (Hopper and later; ``IN_USE`` while something runs on it) and answers
+  ``MIG_DISABLED`` elsewhere; destroying the last instance on a GPU switched on that way
+  switches it back off, so the whole GPU can be handed out again. This is what NVIDIA's DRA
+  driver does (NVIDIA/k8s-dra-driver-gpu ``cmd/gpu-kubelet-plugin/nvlib.go``, tag v0.4.0).
+* instances made or destroyed show in the backend's next ``load()`` (the parent's
+  ``mig_devices`` and ``mig_enabled``); nothing here refreshes the inventory.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from grpclib.client import Channel
 
 from agent._proto.deviceplugin import v1beta1 as pb
 from agent.base.backoff import Backoff
+from agent.base.logs import Persistent
 from agent.core.config.schema import PluginConfig
 from agent.core.inventory.model import Inventory
 from agent.deviceplugin.link import KubeletLink
@@ -110,6 +112,9 @@ class PluginServer:
         self._stream_deadline: float | None = None
         self._start_failures = 0
         self._register_failures = 0
+        # a kubelet that is not there, or a socket we may not make, lasts: said once, then at debug
+        self._register_noise = Persistent()
+        self._start_noise = Persistent()
         self._unanswered = 0  # accepted Registers in a row whose stream never came
         self._waiting = False
         #: the watchdog's reason for a repair, until the next pass restarts the run
@@ -278,7 +283,8 @@ class PluginServer:
                 return self._retry_at
         else:
             self.last_restart_reason = step.reason
-            log.info("registering with the kubelet again", reason=step.reason)
+            level = logging.INFO if self._register_failures == 0 else logging.DEBUG  # a failure said it retries
+            log.log(level, "registering with the kubelet again", reason=step.reason)
         await self._register()
         return self._retry_at if self._retry_at is not None else self._stream_deadline
 
@@ -318,7 +324,8 @@ class PluginServer:
             self._metrics.serve_errors.labels(self.resource.name).inc()
             self.last_error = f"serve on {self.socket_path}: {exc}"
             delay = self._backoff.delay(self._start_failures)
-            log.warning(
+            log.log(
+                self._start_noise.level(self.last_error),
                 "device plugin server failed to start",
                 error=self.last_error,
                 attempt=self._start_failures,
@@ -328,6 +335,7 @@ class PluginServer:
             self._retry_at = self._clock() + delay
             return False
         self._start_failures = 0
+        self._start_noise.clear()
         self.attempts = 0
         log.info("serving device plugin", socket=str(self.socket_path), devices=len(service.devices()))
         self._update_device_gauge()
@@ -368,7 +376,8 @@ class PluginServer:
             delay = self._backoff.delay(self._register_failures)
             self._retry_at = self._clock() + delay
             self._stream_deadline = None
-            log.warning(
+            log.log(
+                self._register_noise.level(self.last_error),
                 "registration with the kubelet failed",
                 error=self.last_error,
                 attempt=self.attempts,
@@ -377,6 +386,7 @@ class PluginServer:
         else:
             run.link.register_finished(accepted=True)
             self._register_failures = 0
+            self._register_noise.clear()
             self.registrations += 1
             self.last_error = ""
             self._metrics.registrations.labels(self.resource.name, "ok").inc()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from agent.deviceplugin.allocate import AllocationKey, ContainerAllocation, chec
 from agent.deviceplugin.errors import AllocationError, ErrorKind, short_ids
 from agent.deviceplugin.resources import DeviceState
 from agent.deviceplugin.service import PreferredRequest, ResourceService
+from agent.grpc.grpclib_adapter import connection_of
 from agent.grpc.limits import cut, status_label
 
 log = structlog.get_logger("agent.plugin")
@@ -92,18 +93,6 @@ def _build_response(allocation: ContainerAllocation) -> pb.ContainerAllocateResp
         annotations=dict(allocation.annotations),
         cdi_devices=[pb.CdiDevice(name=n) for n in allocation.cdi_devices],
     )
-
-
-def connection_of(stream: Stream[Any, Any]) -> Hashable:
-    """The HTTP/2 connection a request came on, as an identity key (its transport).
-
-    The kubelet is recognised by the connection it used inside Register (:mod:`agent.deviceplugin.link`).
-    grpclib 0.4 keeps the transport in the peer object, unexported; should a release drop it,
-    every connection reads as one (any stream during or after Register then counts as the
-    kubelet's), which degrades recognition but never breaks an RPC.
-    """
-    transport: Hashable = getattr(stream.peer, "_transport", None)
-    return transport
 
 
 class DevicePluginServicer:

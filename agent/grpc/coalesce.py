@@ -2,19 +2,18 @@
 
 grpclib writes to the transport after every HTTP/2 step: the window update for a request's
 data, then the response's headers, its message and its trailers, each its own ``send(2)`` on
-the socket and, on the other side, its own wake-up. :func:`coalesce_writes` gives a server
-protocol a transport that gathers what is written during one turn of the event loop and
-writes it at the end of that turn (``loop.call_soon``), in order, as one buffer. Nothing waits
-longer than the current turn; flow control is unchanged (the real transport still pauses and
-resumes the protocol); ``close`` and ``abort`` write or drop what is pending first.
+the socket and, on the other side, its own wake-up. :class:`CoalescingTransport` is the transport
+the server protocol writes to (:class:`agent.grpc.grpclib_adapter.ServerProtocol` installs it): it
+gathers what is written during one turn of the event loop and writes it at the end of that turn
+(``loop.call_soon``), in order, as one buffer. Nothing waits longer than the current turn; flow
+control is unchanged (the real transport still pauses and resumes the protocol); ``close`` and
+``abort`` write or drop what is pending first.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
-
-from grpclib.protocol import H2Protocol
 
 
 class CoalescingTransport:
@@ -60,15 +59,3 @@ class CoalescingTransport:
     def __getattr__(self, name: str) -> Any:
         # is_closing, get_extra_info, pause_reading, set_write_buffer_limits, ...
         return getattr(self._transport, name)
-
-
-class _CoalescingProtocol(H2Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        wrapped: Any = CoalescingTransport(transport, asyncio.get_running_loop())
-        super().connection_made(wrapped)
-
-
-def coalesce_writes(protocol: H2Protocol) -> H2Protocol:
-    """The same protocol, writing through a :class:`CoalescingTransport` once connected."""
-    protocol.__class__ = _CoalescingProtocol
-    return protocol

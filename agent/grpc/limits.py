@@ -39,6 +39,7 @@ from grpclib.encoding.proto import ProtoCodec
 from grpclib.server import Stream
 
 from agent.base.logs import LogThrottle
+from agent.grpc.grpclib_adapter import TruncatedData, recv_data
 from agent.grpc.wireshape import ShapeLimits, WireShapeError, check_shape
 
 log = structlog.get_logger("agent.grpc")
@@ -159,12 +160,10 @@ class CallGate:
     async def receive(self, stream: Stream[Any, Any], method: str, request_type: type[Any]) -> Any:
         """The next request message, or None at the end of the client's stream."""
         limits = self.limits
-        # grpclib's HTTP/2 stream: reading it directly is the only way to see the length
-        # prefix before the body is read (grpclib has no receive limit)
-        raw = stream._stream
+        # the raw request data: the only way to see the length prefix before the body is read
         try:
             async with asyncio.timeout(limits.request_timeout_s):
-                prefix = await raw.recv_data(_PREFIX.size)
+                prefix = await recv_data(stream, _PREFIX.size)
                 if not prefix:
                     return None
                 if len(prefix) != _PREFIX.size:
@@ -179,13 +178,13 @@ class CallGate:
                         f"received message larger than max ({length} vs. {limits.max_message_bytes} bytes)",
                     )
                 async with self.large_receive(length):
-                    body = await raw.recv_data(length)
+                    body = await recv_data(stream, length)
                     return await self._decode(method, body, length, request_type)
         except TimeoutError:
             raise self.refused(
                 method, Status.DEADLINE_EXCEEDED, f"request message not received within {limits.request_timeout_s:g} s"
             ) from None
-        except AssertionError:  # grpclib's buffer: the stream ended inside the message
+        except TruncatedData:
             raise self.refused(method, Status.INVALID_ARGUMENT, "truncated request message") from None
 
     async def _decode(self, method: str, body: bytes, length: int, request_type: type[Any]) -> Any:

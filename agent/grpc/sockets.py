@@ -18,6 +18,9 @@ the connection without an open call that has been quiet the longest, see
 :mod:`agent.grpc.connections`), and a connection without an open call for ``idle_timeout_s`` is
 closed after a GOAWAY (1,500 silent connections used to stay open, one file descriptor each).
 A connection with an open call (the kubelet's ListAndWatch) is never cut.
+
+grpclib's server and its connections are reached through :mod:`agent.grpc.grpclib_adapter`
+(which opens each connection with the stream cap and windows in its first SETTINGS frame).
 """
 
 from __future__ import annotations
@@ -30,19 +33,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 import structlog
-from grpclib.config import Configuration
 from grpclib.const import Handler
-from grpclib.protocol import Connection, EventsProcessor, H2Protocol
-from grpclib.server import Server
-from h2.connection import H2Connection
-from h2.settings import SettingCodes, Settings
 
 from agent.base.errors import StartupError
-from agent.grpc.coalesce import CoalescingTransport
 from agent.grpc.connections import CappedProtocol, ConnectionCap
+from agent.grpc.grpclib_adapter import Http2Settings, ServerProtocol, make_server
 from agent.grpc.limits import CallGate, GrpcLimits
 
 log = structlog.get_logger("agent.sockets")
@@ -95,66 +93,18 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-class _ServerProtocol(H2Protocol):
-    """grpclib's server protocol, writing once per loop turn and opening with every setting.
-
-    Writes go through :class:`~agent.grpcwrite.CoalescingTransport`. grpclib opens with h2's
-    defaults (100 concurrent streams, 64 KiB stream windows) and sends ours in later SETTINGS
-    frames; until the peer reads those, the two sides hold different stream caps. A peer acts on
-    the first frame it reads, and h2 enforces a later frame's values from the peer's first ACK
-    on (``Settings.acknowledge`` applies one pending value per ACK, whatever frame it answers).
-    grpcio then dispatched the calls waiting for a new connection under 100, refused those over
-    our cap inside its own transport and retried them on the same connection at once, a loop
-    that left every call unwritten until its deadline; and streams a peer opened under 100 ended
-    the connection (h2 takes a stream over its cap for a connection error). Opening with the cap
-    and the window leaves nothing to disagree on and nothing pending (issue 19).
-    """
-
-    #: HTTP/2 MAX_CONCURRENT_STREAMS, set per server by :func:`_server_protocol`
-    max_streams = 100
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # grpclib 0.4's H2Protocol.connection_made, with the settings in place before
-        # initiate_connection sends them (Unix sockets only, so no TCP_NODELAY)
-        h2 = H2Connection(config=self.h2_config)
-        values = {
-            SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams,
-            SettingCodes.MAX_HEADER_LIST_SIZE: h2.DEFAULT_MAX_HEADER_LIST_SIZE,
-            SettingCodes.INITIAL_WINDOW_SIZE: self.config.http2_stream_window_size,
-        }
-        h2.local_settings = Settings(client=False, initial_values=values)
-        h2.initiate_connection()
-        # the connection's own window is no setting: it opens at 64 KiB and grows by WINDOW_UPDATE
-        increment = self.config.http2_connection_window_size - h2.inbound_flow_control_window
-        if increment > 0:
-            h2.increment_flow_control_window(increment)
-        writes = CoalescingTransport(transport, asyncio.get_running_loop())
-        self.connection = Connection(h2, cast(asyncio.Transport, writes), config=self.config)
-        self.connection.flush()
-        self.connection.initialize()
-        self.processor = EventsProcessor(self.handler, self.connection)
-
-
-def _server_protocol(protocol: H2Protocol, max_streams: int) -> _ServerProtocol:
-    """The protocol grpclib's server built, with its request handler, made a :class:`_ServerProtocol`."""
-    protocol.__class__ = _ServerProtocol
-    assert isinstance(protocol, _ServerProtocol)
-    protocol.max_streams = max_streams
-    return protocol
-
-
 class _Connection(CappedProtocol):
     """One accepted connection: grpclib's protocol inside, closed once idle for the idle timeout."""
 
-    def __init__(self, inner: H2Protocol, cap: ConnectionCap, limits: GrpcLimits) -> None:
+    def __init__(self, inner: ServerProtocol, cap: ConnectionCap, limits: GrpcLimits) -> None:
         super().__init__(inner, cap, start_on_data=True)
-        self._h2 = inner
+        self._grpc = inner
         self._idle_timeout_s = limits.idle_timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self._busy_at = 0.0
 
     def busy(self) -> bool:
-        return self.started and bool(self._h2.processor.streams)
+        return self.started and self._grpc.open_streams() > 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -180,21 +130,18 @@ class _Connection(CappedProtocol):
             else:
                 self._arm(timeout - (loop.time() - self._busy_at))
             return
-        connection = self._h2.connection
-        if self._h2.processor.streams:
+        protocol = self._grpc
+        if protocol.open_streams():
             self._busy_at = loop.time()
-        elif connection.last_stream_created is not None:
+        elif (last_stream := protocol.last_stream_started()) is not None:
             # a call that opened and ended between two checks (monotonic clock, like the loop's)
-            self._busy_at = max(self._busy_at, loop.time() - (time.monotonic() - connection.last_stream_created))
+            self._busy_at = max(self._busy_at, loop.time() - (time.monotonic() - last_stream))
         idle_for = loop.time() - self._busy_at
         if idle_for < timeout:
             self._arm(max(timeout - idle_for, timeout / 8))
             return
         log.debug("closing idle gRPC connection", server=self._cap.name, idle_s=round(idle_for, 1))
-        with contextlib.suppress(Exception):  # a GOAWAY is a courtesy; the close is what matters
-            connection._connection.close_connection()
-            connection.flush()
-        connection.close()
+        protocol.goaway_and_close()
 
 
 class _Mapping:
@@ -207,8 +154,8 @@ class _Mapping:
         return self._mapping
 
 
-class _Server(Server):
-    """A grpclib server with bounded calls and connections, that can also drop its connections.
+class _Server:
+    """One run of a :class:`UnixGrpcServer`: grpclib's server, its call gate and its connections.
 
     Closing an asyncio server (Python 3.11) stops listening but keeps accepted connections,
     and grpclib keeps dispatching new streams on them; a gRPC client that reuses its
@@ -220,17 +167,26 @@ class _Server(Server):
         for servable in handlers:
             mapping.update(servable.__mapping__())
         self.gate = CallGate(limits, name=name)
-        window = limits.window_bytes
-        config = Configuration(http2_connection_window_size=window, http2_stream_window_size=window)
-        super().__init__([_Mapping(self.gate.wrap(mapping))], config=config)
         self.connections = ConnectionCap(limits.max_connections, name=name)
-
-    def _protocol_factory(self) -> _Connection:  # type: ignore[override]
         # h2 lets a peer open 100 streams at once per connection; every one that reaches
         # grpclib costs a task and a response, so a burst of them is one long loop iteration
-        limits = self.gate.limits
-        inner = _server_protocol(super()._protocol_factory(), limits.max_streams_per_connection)
-        return _Connection(inner, self.connections, limits)
+        settings = Http2Settings(
+            max_concurrent_streams=limits.max_streams_per_connection, window_bytes=limits.window_bytes
+        )
+        self._limits = limits
+        self._grpc = make_server([_Mapping(self.gate.wrap(mapping))], settings=settings, accept=self._accept)
+
+    def _accept(self, protocol: ServerProtocol) -> _Connection:
+        return _Connection(protocol, self.connections, self._limits)
+
+    async def start(self, path: str) -> None:
+        await self._grpc.start(path=path)
+
+    def close(self) -> None:
+        self._grpc.close()
+
+    async def wait_closed(self) -> None:
+        await self._grpc.wait_closed()
 
     def close_connections(self) -> None:
         for connection in list(self.connections.open):
@@ -272,7 +228,7 @@ class UnixGrpcServer:
             if await remove_stale_socket(self.path):
                 log.info("removed stale socket", path=str(self.path))
             server = _Server(self._handlers, self.limits, name=self.path.name)
-            await server.start(path=str(self.path))
+            await server.start(str(self.path))
         except OSError as exc:
             raise StartupError(f"cannot listen on {self.path}: {exc.strerror or exc}") from exc
         self._server = server

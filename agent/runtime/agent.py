@@ -178,11 +178,15 @@ class Agent:
         desired = self.compute_ownership(loaded)
         granted = self.ownership.current
         holders: dict[str, list[str]] = {}
+        unknown: dict[str, str] = {}
         for mechanism in self._mechanisms.values():
-            for gpu, held in mechanism.usage().holders.items():
+            usage = mechanism.usage()
+            if not usage.known:  # a move away from it waits for its answer, as the handover does
+                unknown[mechanism.owner.value] = usage.reason
+            for gpu, held in usage.holders.items():
                 holders.setdefault(gpu, []).extend(f"{h.kind} {h.namespace}/{h.name}" for h in held)
         current = {gpu: granted.state_of(gpu) for gpu in granted.gpus()}
-        for row in plan_rows(self.inventory, desired, current=current, holders=holders):
+        for row in plan_rows(self.inventory, desired, current=current, holders=holders, unknown=unknown):
             if row.moves:
                 log.info(
                     "config plan",

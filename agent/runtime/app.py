@@ -27,19 +27,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 from prometheus_client import CollectorRegistry
 
 from agent import __version__
-from agent.backends.backend import Backend
 from agent.backends.factory import open_backend
 from agent.base.logs import set_level
-from agent.cdi.service import CdiProvider, create_cdi_service
+from agent.cdi.service import create_cdi_service
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig, load_config
 from agent.core.config.node import resolve_node_name, uses_label_rules
@@ -54,6 +51,7 @@ from agent.deviceplugin.kubeletcheckpoint import CHECKPOINT, listed_gpus
 from agent.deviceplugin.manager import PluginManager
 from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
 from agent.deviceplugin.resources import plan_resources
+from agent.runtime.phase1 import Core, RunOptions
 from agent.runtime.supervisor import supervised
 
 if TYPE_CHECKING:
@@ -63,30 +61,6 @@ log = structlog.get_logger("agent")
 
 #: how long shutdown may take before the agent gives up waiting on its tasks
 SHUTDOWN_TIMEOUT_S = 4.0
-
-
-@dataclass(frozen=True, slots=True)
-class RunOptions:
-    config_path: Path | None = None
-    #: dotted config paths set by flags and GPU_AGENT_* variables; they win over the file
-    overrides: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class Core:
-    """What phase 1 builds: everything the device plugin needs."""
-
-    loaded: LoadedConfig
-    node_name: str
-    backend: Backend
-    node: NodeFacts
-    config_state: ConfigState
-    registry: CollectorRegistry
-    cdi: CdiProvider
-    plugin: PluginManager
-    #: the durable record of the device plugin's grants, and the grants made from it at start
-    record: RecordKeeper
-    seed: OwnershipTable | None
 
 
 async def run_agent(

@@ -46,7 +46,7 @@ from agent.observe.metrics.agent import AgentCollector, LoopLagProbe
 from agent.observe.metrics.gpus import GpuCollector
 from agent.observe.observers import Observers, build_observers
 from agent.runtime.agent import Agent
-from agent.runtime.app import Core, RunOptions
+from agent.runtime.phase1 import Core, RunOptions
 
 log = structlog.get_logger("agent")
 

@@ -58,17 +58,31 @@ async def supervised() -> AsyncIterator[Supervisor]:
     :class:`AgentCrashed`; an AgentError raised by the body itself (a start-up failure while
     the first roots already run) comes out as itself, one line.
     """
+    # ``except BaseExceptionGroup`` and split(), not ``except*``: before Python 3.11.4 an
+    # exception raised inside an ``except*`` clause comes out wrapped in an ExceptionGroup
+    # (CPython gh-103590), and the user would see a 90-line traceback instead of one line.
     try:
         async with asyncio.TaskGroup() as group:
             supervisor = Supervisor(group)
             yield supervisor
             for task in supervisor.tasks:
                 task.cancel()
-    except* AgentCrashed as crashed:
-        first = crashed.exceptions[0]
-        raise AgentCrashed(str(first)) from first
-    except* AgentError as failed:
-        raise failed.exceptions[0] from None
+    except BaseExceptionGroup as errors:
+        crashed, rest = errors.split(AgentCrashed)
+        failed, rest = rest.split(AgentError) if rest is not None else (None, None)
+        if rest is not None:
+            raise  # something that is not ours (a bug, KeyboardInterrupt): keep all of it
+        if crashed is not None:
+            first = _first_leaf(crashed)
+            raise AgentCrashed(str(first)) from first
+        assert failed is not None
+        raise _first_leaf(failed) from None
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception in a (possibly nested) group."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 async def supervise(roots: Mapping[str, Callable[[], Awaitable[None]]], stop: asyncio.Event) -> None:

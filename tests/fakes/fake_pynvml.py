@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tests.fakes import fake_nvml_mig
+from tests.fakes.fake_nvml_mig import H100_PROFILES, FakeMigState, MigCalls
+
 # --- constants (values as in nvidia-ml-py) --------------------------------------------
 
 NVML_SUCCESS = 0
@@ -49,6 +52,8 @@ NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_IN_USE = 19
 NVML_ERROR_MEMORY = 20
 NVML_ERROR_NO_DATA = 21
+NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = 22
+NVML_ERROR_INSUFFICIENT_RESOURCES = 23
 NVML_ERROR_UNKNOWN = 999
 
 NVML_FEATURE_DISABLED = 0
@@ -108,6 +113,10 @@ class NVMLError(Exception):
         NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
         NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
         NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+        NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+        NVML_ERROR_IN_USE: "In use by another client",
+        NVML_ERROR_INSUFFICIENT_RESOURCES: "Ran out of critical resources, other than memory",
+        NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
         NVML_ERROR_UNKNOWN: "Unknown Error",
     }
     value: int
@@ -249,12 +258,24 @@ class FakeGpu:
     utilization_error: int | None = None  # NVML code nvmlDeviceGetUtilizationRates raises
     #: while set, nvmlDeviceGetUtilizationRates blocks until the event is set (a hung driver call)
     utilization_hang: threading.Event | None = None
+    #: MIG profiles, instances and failure knobs (tests/fakes/fake_nvml_mig.py)
+    mig: FakeMigState = field(default_factory=FakeMigState)
 
 
 @dataclass(frozen=True, eq=False)
 class Handle:
+    """A device handle. As nvidia-ml-py's ``c_nvmlDevice_t`` pointers are, a new object on every
+    call (and on every read of an event's ``device``); two handles of one device are equal, as
+    the addresses those pointers hold are, never the same object."""
+
     gpu: FakeGpu
     mig: FakeMig | None = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.gpu is self.gpu and other.mig is self.mig
+
+    def __hash__(self) -> int:
+        return hash((id(self.gpu), id(self.mig)))
 
 
 @dataclass(eq=False)
@@ -272,7 +293,7 @@ def _default_topology(a: int, b: int) -> int:
     return NVML_TOPOLOGY_SYSTEM
 
 
-class FakeNvml(types.ModuleType):
+class FakeNvml(MigCalls, types.ModuleType):
     """The fake module. Construct with the node's GPUs, in NVML index order."""
 
     def __init__(
@@ -286,14 +307,14 @@ class FakeNvml(types.ModuleType):
         init_error: int | None = None,
     ) -> None:
         super().__init__("pynvml")
-        module = sys.modules[__name__]
-        self.__dict__.update(
-            {
-                name: getattr(module, name)
-                for name in dir(module)
-                if name.startswith(("NVML_", "nvmlEventType", "NVMLError", "c_nvml", "nvmlPciInfo"))
-            }
-        )
+        for module in (sys.modules[__name__], fake_nvml_mig):
+            self.__dict__.update(
+                {
+                    name: getattr(module, name)
+                    for name in dir(module)
+                    if name.startswith(("NVML_", "nvmlEventType", "NVMLError", "c_nvml", "nvmlPciInfo"))
+                }
+            )
         self.gpus = gpus
         self.topology = topology
         self.driver_version = driver_version
@@ -362,6 +383,9 @@ class FakeNvml(types.ModuleType):
             self.calls.append((name, threading.get_ident()))
         if needs_init and self.init_count <= 0:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
+
+    def _raise(self, code: int) -> None:
+        raise NVMLError(code)
 
     @staticmethod
     def _gpu_of(handle: Handle) -> FakeGpu:
@@ -505,7 +529,8 @@ class FakeNvml(types.ModuleType):
         if gpu.mig_enabled is None:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         mode = NVML_DEVICE_MIG_ENABLE if gpu.mig_enabled else NVML_DEVICE_MIG_DISABLE
-        return [mode, mode]
+        pending = mode if gpu.mig.pending is None else int(gpu.mig.pending)
+        return [mode, pending]
 
     def nvmlDeviceGetMaxMigDeviceCount(self, handle: Handle) -> int:
         self._enter("nvmlDeviceGetMaxMigDeviceCount")
@@ -619,7 +644,9 @@ NVSWITCH_BUS = ["00000000:05:00.0", "00000000:06:00.0", "00000000:07:00.0", "000
 
 
 def h100_node(**kwargs: Any) -> FakeNvml:
-    """DGX/HGX H100: 8 GPUs, 18 NVLinks each into 4 NVSwitches, 2 NUMA nodes (GPUs 0-3, 4-7)."""
+    """DGX/HGX H100: 8 GPUs, 18 NVLinks each into 4 NVSwitches, 2 NUMA nodes (GPUs 0-3, 4-7).
+
+    MIG-capable (the H100 80GB profiles), MIG mode off."""
     gpus = [
         FakeGpu(
             uuid=f"GPU-h100-{i:04d}-0000-0000-0000-00000000000{i}",
@@ -630,6 +657,7 @@ def h100_node(**kwargs: Any) -> FakeNvml:
             numa_node=0 if i < 4 else 1,
             pcie_root="pci0000:00" if i < 4 else "pci0000:80",
             nvlinks=[FakeNvLink(NVSWITCH_BUS[link % 4], NVML_NVLINK_DEVICE_TYPE_SWITCH) for link in range(18)],
+            mig=FakeMigState(profiles=H100_PROFILES),
         )
         for i, bus in enumerate(H100_BUS)
     ]

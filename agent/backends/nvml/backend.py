@@ -31,16 +31,19 @@ from typing import Any
 import structlog
 
 from agent.backends.backend import SignalSink
+from agent.backends.mps import MpsSupervisor
 from agent.backends.nvml import library as nvml_library
 from agent.backends.nvml.errors import describe, translate_init
 from agent.backends.nvml.events import BLIND_AFTER_S, EventWatcher
 from agent.backends.nvml.health import InFlight, run_checks
 from agent.backends.nvml.inventory import InventoryReader, Reading
+from agent.backends.nvml.mig import NvmlMig
 from agent.backends.nvml.sample import in_daemon_thread, read_samples
 from agent.base.errors import BackendError, LibraryMissingError
 from agent.core.config.schema import HealthConfig
 from agent.core.inventory.model import Inventory
 from agent.core.inventory.sample import DeviceSample
+from agent.core.partitioning import MigControl, MpsControl, NoMps
 
 #: how long close() waits for NVML calls still running in worker threads
 CLOSE_WAIT_S = 2.0
@@ -71,6 +74,7 @@ class NvmlBackend:
     the agent unready; with ``auto`` a node without NVML is simply a node without GPUs.
     ``wait_for_driver``: False for one-shot commands (``gpu-agent inventory``): a required
     NVML that cannot be loaded makes ``open`` raise its one-line error instead of waiting.
+    ``mps_dir``: where MPS daemons' pipe and log directories go; without one, no MPS.
     """
 
     name = "nvml"
@@ -86,6 +90,7 @@ class NvmlBackend:
         sysfs_root: Path = Path("/sys"),
         procfs_root: Path = Path("/proc"),
         blind_after_s: float = BLIND_AFTER_S,
+        mps_dir: Path | None = None,
     ) -> None:
         self._health = health
         self._driver_root = driver_root
@@ -115,6 +120,16 @@ class NvmlBackend:
         self._events_lock = asyncio.Lock()
         self._stray_threads: list[EventWatcher] = []
         self._health_changed = asyncio.Event()
+        self._mig = NvmlMig(
+            module=self._module,
+            reading=lambda: self._reading,
+            reader=self._reader,
+            procfs_root=procfs_root,
+            in_flight=self._in_flight,
+        )
+        self._mps = MpsSupervisor(driver_root=driver_root, base_dir=mps_dir) if mps_dir is not None else None
+        self.mig: MigControl = self._mig
+        self.mps: MpsControl = self._mps or NoMps("MPS needs a state directory (none given)")
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -181,8 +196,13 @@ class NvmlBackend:
         self._last_error = error
 
     async def close(self) -> None:
-        """Stop the event thread and shut NVML down once; idempotent and safe when ``open`` failed."""
+        """Stop the event thread and shut NVML down once; idempotent and safe when ``open`` failed.
+
+        MPS daemons stop being watched but keep running for their clients."""
         self._closed = True
+        await self._mig.close()
+        if self._mps is not None:
+            await self._mps.close()
         async with self._events_lock:
             if self._events is not None:
                 await self._retire(self._events)
@@ -215,13 +235,7 @@ class NvmlBackend:
         """
         if not await self._ensure_initialised():
             return Inventory.empty(self.name, reason=self._last_error or "NVML not available")
-        reader = InventoryReader(
-            self._module(),
-            backend=self.name,
-            sysfs_root=self._sysfs_root,
-            procfs_root=self._procfs_root,
-            previous=self._reading,
-        )
+        reader = self._reader(previous=self._reading)
         try:
             reading = await asyncio.to_thread(self._in_flight.call, reader.read)
         except BackendError as exc:
@@ -242,6 +256,15 @@ class NvmlBackend:
             )
         self._reading = reading
         return inventory
+
+    def _reader(self, previous: Reading | None = None) -> InventoryReader:
+        return InventoryReader(
+            self._module(),
+            backend=self.name,
+            sysfs_root=self._sysfs_root,
+            procfs_root=self._procfs_root,
+            previous=previous,
+        )
 
     def _handles(self) -> dict[str, Any]:
         return dict(self._reading.handles) if self._reading is not None else {}
@@ -394,4 +417,5 @@ class NvmlBackend:
                 "event_wait_ms": self._health.event_wait_ms,
             },
             "events": events.status() if events is not None else {"running": False},
+            "mig": self._mig.status(),
         }

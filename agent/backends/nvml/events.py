@@ -18,10 +18,14 @@ What the thread does when NVML misbehaves (each documented in ``nvml.h``):
 * ``GPU_IS_LOST`` from the wait: each GPU is checked through its own handle and the lost
   ones are reported; the set is then re-created, so the lost GPU (whose registration now
   fails) cannot keep failing every wait for the others.
+* An event names its device by handle: it is matched against the handles registered on the
+  set (by the address they hold), never by reading the UUID back, which fails with
+  ``GPU_IS_LOST`` for exactly the GPU an Xid 79 is about.
 * Any other wait error: retried with a backoff (50 ms doubling to 5 s); after
   ``RECREATE_AFTER`` failures in a row the set is freed and re-created.
 * While events cannot be received (no set, waits failing, a GPU that could not be
-  registered) for longer than ``blind_after_s``, the affected GPUs are reported
+  registered) for longer than ``blind_after_s`` (timed per GPU: the moment a set is re-created
+  around a refusing GPU does not count for the others), the affected GPUs are reported
   ``UNMONITORED``: an Xid on them would go unseen, so they are taken out of service as
   UNKNOWN rather than left "healthy" forever; ``MONITORED`` follows once events flow again.
   GPUs that support no event type at all are not blind (their periodic checks are all
@@ -31,6 +35,7 @@ What the thread does when NVML misbehaves (each documented in ``nvml.h``):
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -81,6 +86,7 @@ class _SetState:
 
     event_set: Any = None
     registered: set[str] = field(default_factory=set)  # GPU uuids registered on event_set
+    by_handle: dict[object, str] = field(default_factory=dict)  # handle_key -> uuid, registered ones
     unsupported: set[str] = field(default_factory=set)  # GPUs that support no event type
     lost: set[str] = field(default_factory=set)  # GPUs whose registration said GPU_IS_LOST
     refused: set[str] = field(default_factory=set)  # GPUs whose registration broke a set
@@ -204,7 +210,9 @@ class EventWatcher:
             self._call_on_loop(self._exited.set)
 
     def _watch(self, state: _SetState) -> None:
-        blind_since: float | None = None
+        # per GPU: a GPU that keeps refusing registration must not make the others' blips
+        # (the set re-created around it, a 50 ms backoff) count as long blindness
+        blind_since: dict[str, float] = {}
         reported: set[str] = set()
         while not self._stop.is_set():
             followed = self._snapshot()
@@ -219,14 +227,11 @@ class EventWatcher:
                 self._wait_once(state, followed)
             blind = self._blind_now(state, followed)
             now = self._clock()
-            if blind and blind_since is None:
-                blind_since = now
-            elif not blind:
-                blind_since = None
-            if blind_since is not None and now - blind_since >= self._blind_after_s:
-                for uuid in sorted(blind - reported):
+            blind_since = {uuid: blind_since.get(uuid, now) for uuid in blind}
+            for uuid in sorted(blind - reported):
+                if now - blind_since[uuid] >= self._blind_after_s:
                     self._send(Signal(uuid=uuid, kind=SignalKind.UNMONITORED, detail=self._last_error or ""))
-                reported |= blind
+                    reported.add(uuid)
             for uuid in sorted(reported - blind):
                 self._send(Signal(uuid=uuid, kind=SignalKind.MONITORED))
             reported &= blind
@@ -252,6 +257,7 @@ class EventWatcher:
             return
         self._sets_created += 1
         state.registered, state.unsupported, state.lost = set(), set(), set()
+        state.by_handle = {}
         state.generation = -1
         state.waits_failing = False
 
@@ -304,6 +310,7 @@ class EventWatcher:
                 log.warning("GPU supports no health events; relying on periodic checks", uuid=gpu.uuid)
                 continue
             state.registered.add(gpu.uuid)
+            state.by_handle[handle_key(handle)] = gpu.uuid
             if mask != masks[0]:
                 self._log_reduced(gpu.uuid, mask)
         state.generation = followed.generation
@@ -348,7 +355,7 @@ class EventWatcher:
             self._wait_failed(state, f"{type(exc).__name__}: {exc}")
             return
         self._waited_fine(state)
-        self._dispatch(data, followed)
+        self._dispatch(data, followed, state)
 
     def _waited_fine(self, state: _SetState) -> None:
         if state.waits_failing or state.failures:
@@ -371,13 +378,23 @@ class EventWatcher:
         self._last_error = f"{message}: {error}"
         log.warning(message, error=error, backoff_s=state.backoff)
 
-    def _dispatch(self, data: Any, followed: _Followed) -> None:
+    def _dispatch(self, data: Any, followed: _Followed, state: _SetState) -> None:
         event_type = int(data.eventType)
         kind = self._kinds.get(event_type)
         if kind is None:
             log.debug("NVML event of an unrequested type ignored", event_type=hex(event_type))
             return
         xid = int(data.eventData) if kind is SignalKind.XID else None
+        # the handle we registered names the GPU even when it is lost (its UUID no longer reads)
+        parent = state.by_handle.get(handle_key(data.device))
+        if parent is None:
+            self._dispatch_unregistered(data, followed, kind, xid)
+            return
+        uuid = self._target(followed, parent, int(data.gpuInstanceId), int(data.computeInstanceId))
+        self._send(Signal(uuid=uuid, kind=kind, xid=xid))
+
+    def _dispatch_unregistered(self, data: Any, followed: _Followed, kind: SignalKind, xid: int | None) -> None:
+        """An event whose handle is none we registered (not seen in practice): ask NVML for its UUID."""
         nvml = self._nvml
         try:
             parent = text(nvml.nvmlDeviceGetUUID(data.device))
@@ -436,3 +453,16 @@ class EventWatcher:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self._stop.set()
+
+
+def handle_key(handle: object) -> object:
+    """What identifies an NVML device handle across calls.
+
+    nvidia-ml-py's handles are ctypes pointers (``c_nvmlDevice_t``): every call, and every read
+    of ``c_nvmlEventData_t.device``, gives a new Python object, and pointers compare by identity.
+    Two handles of one device hold the same address. Any other handle type (a test double)
+    is its own key.
+    """
+    if isinstance(handle, ctypes._Pointer):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    return handle

@@ -19,7 +19,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 import structlog
 
 from agent.backends import sysfs
+from agent.backends.nvml import migread
 from agent.backends.nvml.errors import (
     ERROR_INVALID_ARGUMENT,
     ERROR_NOT_FOUND,
@@ -36,7 +37,7 @@ from agent.backends.nvml.errors import (
 )
 from agent.backends.sysfs import sysfs_bus_id
 from agent.base.errors import BackendError, GpuLostError
-from agent.core.inventory.model import Gpu, Inventory, Link, MigDevice, PcieLevel, link_key
+from agent.core.inventory.model import Gpu, Inventory, Link, MigDevice, MigProfile, PcieLevel, link_key
 
 log = structlog.get_logger("agent.nvml")
 
@@ -132,6 +133,12 @@ def derived_profile(memory_mib: int, slices: int | None) -> str:
 
 def _mib(memory: Any) -> int:
     return int(memory.total) // (1024 * 1024)
+
+
+def _placed(device: MigDevice, instance: migread.GpuInstance | None) -> MigDevice:
+    if instance is None:
+        return device
+    return replace(device, profile_id=instance.profile_id, placement=instance.placement)
 
 
 @dataclass(slots=True)
@@ -277,7 +284,9 @@ class InventoryReader:
         bus_id = text(pci.busId)
         mig_mode = self._opt(f"{where}: reading MIG mode", "nvmlDeviceGetMigMode", handle)
         mig_enabled = mig_mode is not None and int(mig_mode[0]) == _MIG_ENABLE
-        migs = self._mig_devices(where, uuid, minor, handle, mig_minors) if mig_enabled else ()
+        memory_mib = _mib(memory) if memory is not None else 0
+        profiles = self._mig_profiles(where, handle, memory_mib) if mig_mode is not None else ()
+        migs = self.mig_devices(where, uuid, minor, handle, mig_minors, profiles) if mig_enabled else ()
         return Gpu(
             uuid=uuid,
             index=index,
@@ -285,14 +294,51 @@ class InventoryReader:
             product_name=name,
             architecture=ARCHITECTURES.get(int(arch), "unknown") if arch is not None else "unknown",
             compute_capability=f"{int(capability[0])}.{int(capability[1])}" if capability is not None else "",
-            memory_mib=_mib(memory) if memory is not None else 0,
+            memory_mib=memory_mib,
             pci_bus_id=bus_id,
             numa_node=sysfs.numa_node(self._sysfs_root, bus_id),
             mig_enabled=mig_enabled,
             mig_devices=migs,
             brand=BRANDS.get(int(brand), "") if brand is not None else "",
             pcie_root=sysfs.pcie_root(self._sysfs_root, bus_id),
+            mig_memory_slices=migread.memory_slices(profiles),
+            mig_profiles=profiles,
         )
+
+    def _mig_profiles(self, where: str, handle: Any, memory_mib: int) -> tuple[MigProfile, ...]:
+        """The MIG profiles of a MIG-capable GPU; () (and a problem line) when they cannot be read."""
+        try:
+            return migread.read_profiles(self._nvml, handle, memory_mib)
+        except self._nvml.NVMLError as exc:
+            error = translate(self._nvml, exc, f"{where}: reading its MIG profiles")
+            if isinstance(error, GpuLostError):
+                raise error from exc
+            self._problem(f"{error}; no MIG profiles listed")
+            return ()
+
+    def mig_devices(
+        self,
+        where: str,
+        parent_uuid: str,
+        parent_minor: int,
+        handle: Any,
+        mig_minors: MigMinors | None,
+        profiles: tuple[MigProfile, ...] = (),
+    ) -> tuple[MigDevice, ...]:
+        """The MIG devices of a GPU in MIG mode, placed where their GPU instances sit."""
+        devices = self._mig_devices(where, parent_uuid, parent_minor, handle, mig_minors)
+        if not devices or not profiles:
+            return devices
+        try:
+            instances = {gi.id: gi for gi in migread.gpu_instances(self._nvml, handle, profiles)}
+        except self._nvml.NVMLError as exc:
+            error = translate(self._nvml, exc, f"{where}: listing its GPU instances")
+            if isinstance(error, GpuLostError):
+                raise error from exc
+            if nvml_code(self._nvml, exc) not in NOT_SUPPORTED_CODES:
+                self._problem(f"{error}; MIG placements not known")
+            return devices
+        return tuple(_placed(m, instances.get(m.gpu_instance_id)) for m in devices)
 
     def _mig_devices(
         self, where: str, parent_uuid: str, parent_minor: int, handle: Any, mig_minors: MigMinors | None
@@ -318,16 +364,17 @@ class InventoryReader:
                 )
                 if mig is None:
                     continue  # empty slot
-                out.append(self._mig_device(mwhere, parent_uuid, parent_minor, slot, mig, mig_minors))
+                out.append(self.mig_device(mwhere, parent_uuid, parent_minor, slot, mig, mig_minors))
             except GpuLostError:
                 raise  # the parent is gone: the whole GPU is unreadable
             except BackendError as exc:
                 self._problem(f"{exc}; MIG device left out")
         return tuple(out)
 
-    def _mig_device(
+    def mig_device(
         self, where: str, parent_uuid: str, parent_minor: int, slot: int, mig: Any, mig_minors: MigMinors | None
     ) -> MigDevice:
+        """The MIG device behind MIG handle ``mig`` (slot ``slot`` of its parent)."""
         nvml = self._nvml
         uuid = text(self._q(f"{where}: reading its UUID", nvml.nvmlDeviceGetUUID, mig))
         gi = int(self._q(f"{where}: reading its GPU instance id", nvml.nvmlDeviceGetGpuInstanceId, mig))

@@ -55,6 +55,10 @@ class DeviceHealth:
     unmonitored: bool = False
     # monotonic time of the first passed check after the last fault (None: none yet)
     clean_since: float | None = None
+    # the newest fault's cause while unhealthy: the same fault again with no passing check
+    # between (a lost GPU fails every check) is logged at debug and kept out of the history; a
+    # different one, or one that interrupts a recovery, is news
+    last_fault: str = ""
     history: deque[HistoryEntry] = field(default_factory=deque)
     xid_times: dict[int, deque[float]] = field(default_factory=dict)
     #: Xid events seen on the device since the agent started, by Xid (whatever the policy made of them)
@@ -212,10 +216,14 @@ class HealthMonitor:
             if signal.kind is SignalKind.XID:
                 log.info("xid ignored by policy", uuid=uuid, xid=signal.xid, detail=signal.detail)
             return
-        record.clean_since = None
+        recovering, record.clean_since = record.clean_since is not None, None
         record.reset_required = record.reset_required or fault.reset_required
         if record.state is HealthState.UNHEALTHY:
             # already out of service: the newest fault restarts the quiet period, keep the record
+            if fault.cause == record.last_fault and not recovering:
+                log.debug("fault on unhealthy device", uuid=uuid, cause=fault.cause, xid=signal.xid)
+                return
+            record.last_fault = fault.cause
             self._append_history(record, HealthState.UNHEALTHY, fault.cause, signal.xid)
             log.warning("fault on unhealthy device", uuid=uuid, cause=fault.cause, xid=signal.xid)
             return
@@ -250,6 +258,7 @@ class HealthMonitor:
             return
         record.state = new
         record.cause = cause if new is not HealthState.HEALTHY else ""
+        record.last_fault = cause if new is HealthState.UNHEALTHY else ""
         self._append_history(record, new, cause, xid)
         self.transitions[new] += 1
         logger = log.warning if new is HealthState.UNHEALTHY else log.info

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent.core.inventory.model import Inventory
+from agent.core.inventory.model import Inventory, MigPlacement, MigProfile
 
 
 def inventory_json(inventory: Inventory) -> dict[str, Any]:
@@ -35,15 +35,42 @@ def inventory_json(inventory: Inventory) -> dict[str, Any]:
                         "gpu_instance_id": m.gpu_instance_id,
                         "compute_instance_id": m.compute_instance_id,
                         "memory_mib": m.memory_mib,
+                        "profile_id": m.profile_id,
+                        "placement": placement_text(m.placement) if m.placement is not None else None,
                     }
                     for m in g.mig_devices
                 ],
+                "mig_memory_slices": g.mig_memory_slices,
+                "mig_profiles": [profile_json(p) for p in g.mig_profiles],
             }
             for g in gpus
         ],
         "topology": topology_map(inventory),
         "problems": list(inventory.problems),
         "reason": inventory.reason,
+    }
+
+
+def placement_text(placement: MigPlacement) -> str:
+    """``nvidia-smi mig``'s notation: ``start:size`` in memory slices."""
+    return f"{placement.start}:{placement.size}"
+
+
+def profile_json(profile: MigProfile) -> dict[str, Any]:
+    return {
+        "name": profile.name,
+        "profile_id": profile.profile_id,
+        "compute_slices": profile.compute_slices,
+        "memory_slices": profile.memory_slices,
+        "memory_mib": profile.memory_mib,
+        "multiprocessors": profile.multiprocessors,
+        "max_instances": profile.max_instances,
+        "placements": [placement_text(p) for p in profile.placements],
+        "copy_engines": profile.copy_engines,
+        "decoders": profile.decoders,
+        "encoders": profile.encoders,
+        "jpeg_engines": profile.jpeg_engines,
+        "ofa_engines": profile.ofa_engines,
     }
 
 

@@ -1,7 +1,9 @@
 """``gpu-agent config plan``: what a config would do to one node's GPUs, before it is applied.
 
 Per GPU: the owner it is granted now, the owner the new config wants, the rule that decided,
-and — when the owner would change — the pods or claims the move would wait for. The current
+and — when the owner would change — what the move would wait for: the pods or claims holding
+the GPU, and an answer from the mechanism it leaves when that one cannot tell who uses its GPUs
+(the handover never takes an unknown user for idle, so without the answer it waits forever). The current
 state comes from a running agent's ``/debug/state`` when one answers (its inventory, labels,
 grants and holders); otherwise from the local inventory, with the current grant unknown.
 The live agent logs the same rows before it applies a reload (:func:`plan_rows` is shared).
@@ -9,6 +11,7 @@ The live agent logs the same rows before it applies a reload (:func:`plan_rows` 
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,8 @@ class PlanRow:
     current: str
     desired: str
     rule: str
-    #: holders the move waits for ("ns/name" of pods or claims), when the owner would change
+    #: what the move waits for, when the owner would change: holders ("pod ns/name", "claim
+    #: ns/name"), and an answer from the mechanism it leaves when that one cannot tell
     waits_for: tuple[str, ...] = ()
 
     @property
@@ -54,15 +58,45 @@ def plan_rows(
     *,
     current: Mapping[str, str],
     holders: Mapping[str, Sequence[str]],
+    unknown: Mapping[str, str] | None = None,
 ) -> list[PlanRow]:
-    """Rows for ``desired`` against ``current`` (GPU -> owner state) and ``holders`` (GPU -> users)."""
+    """Rows for ``desired`` against ``current`` (GPU -> owner state) and ``holders`` (GPU -> users).
+
+    ``unknown``: mechanism -> why it cannot tell who uses its GPUs now (PodResources missing, say).
+    """
     rows = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         now = current.get(gpu.uuid, UNKNOWN)
         want = desired.owner_of(gpu.uuid).value
-        waits = tuple(holders.get(gpu.uuid, ())) if now != want else ()
+        waits: tuple[str, ...] = ()
+        if now != want:
+            waits = tuple(holders.get(gpu.uuid, ()))
+            source = drains_from(now)
+            if source is not None and source != want and unknown and source in unknown:
+                waits += (f"an answer from {source} on who uses it: {unknown[source] or 'no answer yet'}",)
         rows.append(PlanRow(gpu.index, gpu.uuid, now, want, desired.rules.get(gpu.uuid, ""), waits))
     return rows
+
+
+def drains_from(current: str) -> str | None:
+    """The mechanism a GPU in owner state ``current`` would drain from when it moves (None: none).
+
+    A draining GPU still drains from its old owner, whatever the new target; moving it back to
+    that owner ends the drain (nothing moved), which the caller sees as ``source == want``.
+    """
+    if current.startswith("draining:"):
+        return current.removeprefix("draining:").split("->", 1)[0]
+    return None if current in (UNKNOWN, "none") else current
+
+
+def unknown_usage(mechanisms: Mapping[str, Any]) -> dict[str, str]:
+    """Mechanism -> reason, for those of a state document's ``mechanisms`` that cannot tell who uses their GPUs."""
+    out: dict[str, str] = {}
+    for name, mechanism in mechanisms.items():
+        usage = mechanism.get("usage") if isinstance(mechanism, Mapping) else None
+        if isinstance(usage, Mapping) and not usage.get("known", True):
+            out[str(name)] = str(usage.get("reason") or "")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +128,7 @@ def render(rows: Sequence[PlanRow], *, node: str, source: str, warnings: Sequenc
         lines.append(f"{r.index:>3}{mark} {r.uuid[:11]:<11}  {r.current:<27}  {r.desired:<13}  {rule}")
         if r.waits_for:
             shown = ", ".join(r.waits_for[:5]) + (f" and {len(r.waits_for) - 5} more" if len(r.waits_for) > 5 else "")
-            lines.append(f"      waits for {shown}")
+            lines.extend(textwrap.wrap(f"waits for {shown}", 80, initial_indent=" " * 6, subsequent_indent=" " * 8))
     moving = [r for r in rows if r.moves]
     if any(r.current == UNKNOWN for r in rows):
         lines.append("current owners unknown: start the agent (or pass --debug-addr) to see what would move")
@@ -162,7 +196,8 @@ def plan_against_state(config: Config, state: Mapping[str, Any], *, labels: Mapp
     name = str(node.get("name", ""))
     desired = compute_ownership(inventory, config.ownership, node_name=name, node_labels=merged, version="plan")
     current = {str(d["uuid"]): str(d["owner"]) for d in state["devices"]}
-    rows = plan_rows(inventory, desired, current=current, holders=holders_from_state(state))
+    unknown = unknown_usage(state.get("mechanisms") or {})
+    rows = plan_rows(inventory, desired, current=current, holders=holders_from_state(state), unknown=unknown)
     return Plan(name, "current state from the running agent", tuple(rows), desired.inert_overrides)
 
 

@@ -5,7 +5,9 @@ Field names that tools and tests rely on (docs/observability.md, "Debug endpoint
 be added, none removed.
 ``gpu-agent status`` reads ``devices[].desired_owner/holders/health_detail`` and
 ``devices[].utilization`` (``gpu_percent``, ``memory_used_mib``, ``memory_total_mib``: numbers, or
-null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans`` and ``watchdog``.
+null while unknown, with ``known``, ``age_s`` and ``reason``), ``orphans``, ``watchdog``,
+``readiness`` (what ``/readyz`` answers, with the failing checks named), ``config.last_error``
+and ``mechanisms.*.usage`` (a mechanism that cannot tell who holds its GPUs).
 
 The document is built from an :class:`AgentView`, the read-only face of the running agent;
 mechanisms appear only through :class:`~agent.core.mechanism.Mechanism`.
@@ -24,7 +26,7 @@ from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Gpu
 from agent.core.inventory.render import topology_map
-from agent.core.mechanism import Holder, Mechanism, Usage
+from agent.core.mechanism import Holder, Mechanism, Readiness, Usage
 from agent.core.ownership.table import OwnershipState
 from agent.observe.observers import Observers
 
@@ -60,6 +62,8 @@ class AgentView(Protocol):
 
     def backend_state(self) -> dict[str, object]: ...
 
+    def readiness(self) -> Mapping[str, Readiness]: ...
+
 
 def agent_state(agent: AgentView) -> dict[str, Any]:
     inventory = agent.inventories.current
@@ -71,6 +75,7 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
         "version": __version__,
         "node": {"name": agent.node_name, "labels": agent.node_labels(cs.config), "label_source": agent.labels_state()},
         "status": agent.status,
+        "readiness": readiness_report(agent.readiness()),
         "backend": inventory.backend,
         "backend_state": agent.backend_state(),
         "driver_version": inventory.driver_version,
@@ -107,6 +112,15 @@ def agent_state(agent: AgentView) -> dict[str, Any]:
     if "device-plugin" in state["mechanisms"]:
         state["device_plugin"] = state["mechanisms"]["device-plugin"]
     return state
+
+
+def readiness_report(checks: Mapping[str, Readiness]) -> dict[str, Any]:
+    """What ``/readyz`` answers (``ready``, ``checks``), and which checks fail (``failing``)."""
+    return {
+        "ready": all(check.ok for check in checks.values()),
+        "checks": {name: c.detail or ("ok" if c.ok else "not ready") for name, c in checks.items()},
+        "failing": [name for name, check in checks.items() if not check.ok],
+    }
 
 
 def _drain(agent: AgentView, uuid: str) -> dict[str, Any] | None:

@@ -1,4 +1,4 @@
-"""aiohttp debug endpoint: /healthz, /readyz, /metrics, /debug/state, and the simulated-health hook.
+"""aiohttp debug endpoint: /healthz, /readyz, /metrics, /debug/state, and the simulated backend's hooks.
 
 Handlers reach the agent only through the :class:`DebugContext` stored under a typed
 ``web.AppKey``; they never import the components themselves.
@@ -36,6 +36,10 @@ log = structlog.get_logger("agent.debug")
 
 class SimulatedControl(Protocol):
     def inject(self, device: str, *, healthy: bool, xid: int | None = None) -> Signal: ...
+
+    def inject_mig_failure(
+        self, op: str, kind: str, *, device: str | None = None, count: int = 1
+    ) -> dict[str, object]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +110,12 @@ def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
 
 
-async def simulated_health(request: web.Request) -> web.Response:
+async def _simulated_request(
+    request: web.Request, example: str
+) -> tuple[SimulatedControl, dict[str, Any]] | web.Response:
+    """The simulated backend's hooks and the request's JSON object, or the error response to send."""
     control = request.app[CONTEXT].simulated
-    if control is None:  # pragma: no cover - the route is only added with a control
+    if control is None:  # pragma: no cover - the routes are only added with a control
         raise web.HTTPNotFound()
     try:
         async with asyncio.timeout(request.app[LIMITS].body_timeout_s):
@@ -116,9 +123,17 @@ async def simulated_health(request: web.Request) -> web.Response:
     except TimeoutError:
         return web.json_response({"error": "request body not received in time"}, status=408)
     except (ValueError, RecursionError):
-        return _bad_request('body must be JSON like {"device": "0", "healthy": false, "xid": 79}')
+        return _bad_request(f"body must be JSON like {example}")
     if not isinstance(body, dict):
         return _bad_request("body must be a JSON object")
+    return control, body
+
+
+async def simulated_health(request: web.Request) -> web.Response:
+    got = await _simulated_request(request, '{"device": "0", "healthy": false, "xid": 79}')
+    if isinstance(got, web.Response):
+        return got
+    control, body = got
     device, healthy, xid = body.get("device"), body.get("healthy"), body.get("xid")
     if isinstance(device, int) and not isinstance(device, bool):
         device = str(device)
@@ -136,6 +151,31 @@ async def simulated_health(request: web.Request) -> web.Response:
         return web.json_response({"error": str(exc)}, status=409)
     log.info("simulated health injected", uuid=signal.uuid, healthy=healthy, xid=xid)
     return web.json_response({"device": signal.uuid, "signal": signal.kind.value, "xid": signal.xid})
+
+
+async def simulated_mig(request: web.Request) -> web.Response:
+    """``{"op": "create"|"destroy", "kind": "<PartitionErrorKind>", "device": "<GPU>", "count": N}``:
+    the next ``count`` such MIG operations (on that GPU; any GPU without ``device``) fail."""
+    got = await _simulated_request(request, '{"op": "create", "kind": "insufficient-resources", "device": "0"}')
+    if isinstance(got, web.Response):
+        return got
+    control, body = got
+    op, kind, device, count = body.get("op"), body.get("kind"), body.get("device", None), body.get("count", 1)
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = str(device)
+    if not isinstance(op, str) or not isinstance(kind, str) or len(op) > 32 or len(kind) > 32:
+        return _bad_request("'op' and 'kind' must be short strings")
+    if device is not None and (not isinstance(device, str) or not device or len(device) > 256):
+        return _bad_request("'device' must be a GPU UUID or index")
+    if not isinstance(count, int) or isinstance(count, bool):
+        return _bad_request("'count' must be an integer")
+    try:
+        answer = control.inject_mig_failure(op, kind, device=device, count=count)
+    except DeviceNotFoundError as exc:
+        return web.json_response({"error": str(exc)}, status=404)
+    except ValueError as exc:
+        return _bad_request(str(exc))
+    return web.json_response(answer)
 
 
 @web.middleware
@@ -158,6 +198,7 @@ def build_app(context: DebugContext, limits: HttpLimits | None = None) -> web.Ap
     app.router.add_get("/debug/state", debug_state)
     if context.simulated is not None:
         app.router.add_post("/debug/simulated/health", simulated_health)
+        app.router.add_post("/debug/simulated/mig", simulated_mig)
     return app
 
 
