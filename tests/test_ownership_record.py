@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,21 @@ def test_a_record_this_agent_did_not_write_is_removed_not_trusted(tmp_path: Path
     assert not (tmp_path / RECORD_FILE).exists() and keeper.maybe_on_disk == frozenset()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only directory")
-def test_a_record_that_cannot_be_written_or_removed_keeps_its_gpus_from_dra(tmp_path: Path) -> None:
-    GrantRecord(tmp_path).write(frozenset({"GPU-a"}))
-    keeper = RecordKeeper(GrantRecord(tmp_path), on_disk=frozenset({"GPU-a"}))
-    tmp_path.chmod(0o500)
-    try:
-        keeper.want(frozenset())
-        asyncio.run(keeper.flush())
-    finally:
-        tmp_path.chmod(0o700)
-    assert keeper.last_error and keeper.pending()
+def test_a_record_that_cannot_be_written_or_removed_keeps_its_gpus_from_dra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    record = GrantRecord(tmp_path)
+    record.write(frozenset({"GPU-a"}))
+    keeper = RecordKeeper(record, on_disk=frozenset({"GPU-a"}))
+
+    def read_only(*_: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(record, "write", read_only)
+    monkeypatch.setattr(record, "remove", read_only)
+    keeper.want(frozenset())
+    asyncio.run(keeper.flush())
+    assert "Read-only file system" in keeper.last_error and keeper.pending()
     assert keeper.maybe_on_disk == {"GPU-a"}
 
 
