@@ -102,8 +102,11 @@ class PluginManager:
         self._clock = clock
         #: closing GPUs let go without the Node lowered (warned once each)
         self._given_up: frozenset[str] = frozenset()
-        #: who holds which device, from the kubelet (None: not asked, usage unknown)
+        #: who holds which device, from the kubelet (None: not asked, usage unknown); asked more
+        #: often while a GPU drains away from the plugin (its handover waits for a fresh answer)
         self.pod_resources = pod_resources
+        if pod_resources is not None:
+            pod_resources.urgent = self._draining_away
         self._inventories = node.inventory
         #: the inventory the servers' plan was built from
         self._inventory = node.inventory.current
@@ -188,6 +191,9 @@ class PluginManager:
 
     def usage(self) -> Usage:
         return self._device_usage().usage
+
+    def _draining_away(self) -> bool:
+        return any(d.source is Owner.DEVICE_PLUGIN for d in self._ownership.current.draining.values())
 
     def scheduler_view(self) -> SchedulerView:
         """Which closing GPUs the scheduler no longer counts on (:func:`closed_gpus`)."""
