@@ -132,8 +132,13 @@ async def main(rounds: int, quiet_s: float) -> None:
                 pods.allocate("ml", "train", "main", "nvidia.com/gpu", [uuids[5]])
                 await asyncio.sleep(1.5)  # the agent has seen the pod
                 config.write_text(config_text([0, 1, 2, 3, 4, 5]))
-                await until(lambda: agent.state()["devices"][5]["owner"] == "draining:device-plugin->dra")
-                await asyncio.sleep(0.5)
+
+                # past closing (the plugin no longer lists it): now only the pod holds it
+                def held_by_the_pod() -> bool:
+                    drain = agent.state()["devices"][5]["draining"] or {}
+                    return "in use" in str(drain.get("waiting_for", ""))
+
+                await until(held_by_the_pod)
                 start = time.monotonic()
                 pods.release("ml", "train")
                 await until(lambda: "gpu-5" in published(api))

@@ -5,14 +5,14 @@ It serves what the agent uses: discovery of ``resource.k8s.io`` (v1, v1beta2, v1
 combination), ResourceSlices (create with generateName and dryRun, get, list, watch, update,
 delete with preconditions; field selectors ``spec.nodeName``/``spec.driver``, label selectors),
 ResourceClaims (get; list and watch with only the metadata field selectors a real one has),
-Nodes (get, list, watch; a status with ``allocatable`` when a test sets one), Pods (get, list and
-watch with the field selectors a real one allows, ``spec.nodeName`` among them; whole or as
-``PartialObjectMetadata``) and Events (create, patch, list). ResourceSlices are stored in the
-v1 shape and converted to and from v1beta1's ``basic`` nesting. Validation and error wording
-follow what a real v1.36 kube-apiserver answers (kubernetes/kubernetes
-``pkg/apis/resource/validation``, and its answers as observed), resourceVersions are a global
-counter, a stale update is 409 Conflict, and a watch from a compacted resourceVersion gets
-410 Gone.
+Nodes (get, list, watch, a merge patch of ``status``; capacity and allocatable when a test, as
+the kubelet, or the agent sets them), Pods (get, list and watch with the field selectors a real
+one allows, ``spec.nodeName`` among them; whole or as ``PartialObjectMetadata``) and Events
+(create, patch, list). ResourceSlices are stored in the v1 shape and converted to and from
+v1beta1's ``basic`` nesting. Validation and error wording follow what a real v1.36
+kube-apiserver answers (kubernetes/kubernetes ``pkg/apis/resource/validation``, and its answers
+as observed), resourceVersions are a global counter, a stale update is 409 Conflict, and a watch
+from a compacted resourceVersion gets 410 Gone.
 
 Rudeness knobs: ``delay_s`` on every response, :meth:`fail` (any status, N times or until
 cleared), :meth:`hang` (accept and never answer), :meth:`close_watches` (abort),
@@ -213,6 +213,8 @@ class FakeApiServer:
         self.bookmark_s: float | None = None
         self.url = ""
         self.nodes: dict[str, dict[str, Any]] = {}
+        #: every accepted ``nodes/<name>/status`` patch body, in order
+        self.node_status_patches: list[dict[str, Any]] = []
         #: ResourceSlices in the v1 shape, by name
         self.slices: dict[str, dict[str, Any]] = {}
         #: ResourceClaims as the test gave them, by (namespace, name)
@@ -502,6 +504,8 @@ class FakeApiServer:
                 if node is None:
                     return _status(404, f'nodes "{parts[1]}" not found', details={"name": parts[1], "kind": "nodes"})
                 return web.json_response(node)
+            if len(parts) == 3 and parts[2] == "status" and request.method == "PATCH":
+                return self._patch_node_status(request, parts[1], body)
             if len(parts) == 1 and request.method == "GET":
                 match = self._selector(request, "nodes")
                 if request.query.get("watch") == "true":
@@ -518,16 +522,55 @@ class FakeApiServer:
             return self._list(request, "PodList", "v1", [p for p in self.pods.values() if match(p)])
         return _page_not_found()
 
+    def _patch_node_status(self, request: web.Request, name: str, body: Any) -> web.Response:
+        """A JSON merge patch of a Node's status, as ``kubectl patch --subresource=status`` sends it.
+
+        A ``metadata.resourceVersion`` in the patch is a precondition (409 when stale); only
+        ``status`` changes; values are kept as sent (strings)."""
+        node = self.nodes.get(name)
+        if node is None:
+            return _status(404, f'nodes "{name}" not found', details={"name": name, "kind": "nodes"})
+        if request.content_type != "application/merge-patch+json":
+            return _status(415, f"unsupported patch type {request.content_type}")
+        if not isinstance(body, dict) or not isinstance(body.get("status", {}), dict):
+            return _status(400, "the patch is not a JSON object with an object status")
+        want = (body.get("metadata") or {}).get("resourceVersion")
+        if want and want != node["metadata"]["resourceVersion"]:
+            return _status(
+                409,
+                f'Operation cannot be fulfilled on nodes "{name}": the object has been modified; '
+                "please apply your changes to the latest version and try again",
+                reason="Conflict",
+            )
+        self.node_status_patches.append(copy.deepcopy(body))
+        status = node.setdefault("status", {})
+        for key, value in body.get("status", {}).items():
+            if isinstance(value, dict) and isinstance(status.get(key), dict):
+                for k, v in value.items():
+                    if v is None:
+                        status[key].pop(k, None)
+                    else:
+                        status[key][k] = v
+            elif value is None:
+                status.pop(key, None)
+            else:
+                status[key] = copy.deepcopy(value)
+        self.rv += 1
+        node["metadata"]["resourceVersion"] = str(self.rv)
+        self._record("nodes", "MODIFIED", node)
+        return web.json_response(node)
+
     def _list(self, request: web.Request, kind: str, api_version: str, items: list[dict[str, Any]]) -> web.Response:
         since = request.query.get("resourceVersion", "")
         if since.isdigit() and int(since) > self.rv:
             return _status(504, f"Too large resource version: {since}, current: {self.rv}", reason="Timeout")
+        body_items: list[dict[str, Any]] | None = items
         if _METADATA_ONLY in request.headers.get("Accept", ""):
             kind, api_version = "PartialObjectMetadataList", "meta.k8s.io/v1"
-            items = [_metadata_only(i) for i in items]
-        return web.json_response(
-            {"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": str(self.rv)}, "items": items}
-        )
+            # a real v1.36 API server sends an empty metadata list's items as null (a PodList's as [])
+            body_items = [_metadata_only(i) for i in items] or None
+        metadata = {"resourceVersion": str(self.rv)}
+        return web.json_response({"kind": kind, "apiVersion": api_version, "metadata": metadata, "items": body_items})
 
     def _pod(self, request: web.Request, namespace: str, name: str) -> web.Response:
         pod = self.pods.get((namespace, name))

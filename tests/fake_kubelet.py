@@ -20,6 +20,9 @@ is a new kubelet *process* (:class:`KubeletProcess`) with its own counts, so a t
   ``grpc.WithBlock`` does (it waits for the socket up to ``dial_timeout_s``), calls
   GetDevicePluginOptions, keys the plugin by resource name (a newer registration replaces the
   endpoint) and returns; then it opens ListAndWatch on that same connection;
+* every ListAndWatch message it takes is written to its checkpoint ``kubelet_internal_checkpoint``
+  (each resource's healthy device IDs, ``RegisteredDevices``), which survives its restarts; a
+  stream's end is not written;
 * when any ListAndWatch stream of a resource ends, it processes the end a moment later
   (``stream_end_delay_s``) by disconnecting the resource's *current* client — the new one, if
   the plugin registered again meanwhile: the dropped-new-connection race of §13 — and marking
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import threading
@@ -78,6 +82,9 @@ class PluginClient:
         self.stub = pb_grpc.DevicePluginStub(channel)
         self.messages = 0
         self.devices: list[pb.Device] = []
+        #: the number of devices in each message, in order (an empty first one is a wrong answer:
+        #: the kubelet takes it as "no GPUs here" and fails every pod it admits meanwhile)
+        self.counts: list[int] = []
         self.opened_at: float | None = None
         self.ended = False
         self.end_reason = ""
@@ -97,6 +104,9 @@ class PluginClient:
                         self.opened_at = time.monotonic()
                     self.messages += 1
                     self.devices = list(response.devices)
+                    self.counts.append(len(response.devices))
+                    if self.process.clients.get(self.resource) is self:
+                        self.process.write_checkpoint()
             self.end_reason = "OK"
         except grpc.RpcError as exc:
             self.end_reason = f"{exc.code()}"  # type: ignore[attr-defined]
@@ -209,6 +219,17 @@ class KubeletProcess:
             client = self.clients.get(resource)
         if client is not None:
             client.disconnect()
+
+    def write_checkpoint(self) -> None:
+        """What the device manager writes on every ListAndWatch message (not when a stream ends):
+        each resource's healthy device IDs, ``RegisteredDevices``. Called with the lock held."""
+        registered = {
+            resource: [d.ID for d in client.devices if d.health == "Healthy"]
+            for resource, client in self.clients.items()
+            if resource not in self.disconnected
+        }
+        body = {"Data": {"PodDeviceEntries": None, "RegisteredDevices": registered}, "Checksum": 0}
+        (self.kubelet.plugin_dir / CHECKPOINT).write_text(json.dumps(body))
 
     def _stream_ended(self, client: PluginClient) -> None:
         """What the kubelet's runClient does when a client's ListAndWatch returns."""

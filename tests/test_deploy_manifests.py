@@ -119,14 +119,21 @@ def test_admission_policy_names_the_agents_serviceaccount_and_driver(directory: 
     daemonset = only(objects, "DaemonSet")
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
     assert daemonset["metadata"]["namespace"] == account["namespace"]
-    policy = only(objects, "ValidatingAdmissionPolicy")
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ValidatingAdmissionPolicy"}
+    assert set(policies) == {"gpu-node-agent-resourceslices", "gpu-node-agent-node-status"}
     user = f"system:serviceaccount:{account['namespace']}:{account['name']}"
-    assert [c["expression"] for c in policy["spec"]["matchConditions"]] == [f'request.userInfo.username == "{user}"']
-    driver_checks = [v["expression"] for v in policy["spec"]["validations"] if "spec.driver" in v["expression"]]
+    for policy in policies.values():
+        expressions = [c["expression"] for c in policy["spec"]["matchConditions"]]
+        assert expressions == [f'request.userInfo.username == "{user}"']
+    validations = policies["gpu-node-agent-resourceslices"]["spec"]["validations"]
+    driver_checks = [v["expression"] for v in validations if "spec.driver" in v["expression"]]
     assert driver_checks == [f'variables.slice.spec.driver == "{Config().dra.driver_name}"']
-    binding = only(objects, "ValidatingAdmissionPolicyBinding")
-    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert binding["spec"]["validationActions"] == ["Deny"]
+    # the resources the agent may lower are those of its resource name's domain
+    (ours,) = (v for v in policies["gpu-node-agent-node-status"]["spec"]["variables"] if v["name"] == "ours")
+    assert ours["expression"] == f'"{Config().plugin.resource_name.partition("/")[0]}/"'
+    bindings = {o["spec"]["policyName"]: o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert set(bindings) == set(policies)
+    assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings.values())
 
 
 @pytest.mark.parametrize("directory", AGENT_KUSTOMIZATIONS)
@@ -149,6 +156,7 @@ def test_rbac_grants_exactly_what_the_agent_uses(directory: str) -> None:
     slice_verbs = ("get", "list", "watch", "create", "update", "patch", "delete")
     assert grants == (
         {("*", "", "nodes", v) for v in ("get", "list", "watch")}
+        | {("*", "", "nodes/status", "patch")}  # lowering its own counts (admission-policy.yaml)
         | {("*", "resource.k8s.io", "resourceslices", v) for v in slice_verbs}
         | {("*", "resource.k8s.io", "resourceclaims", "get")}
         | {("default", "", "events", v) for v in ("create", "patch")}  # a repeat counts into its Event

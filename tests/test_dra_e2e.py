@@ -294,3 +294,79 @@ async def test_a_handover_waits_for_the_pods_and_the_claims_then_moves(node: Nod
         finally:
             pump.cancel()
             await channel.close()
+
+
+async def test_a_gpu_leaves_the_device_plugin_only_once_the_node_no_longer_counts_it(node: Node) -> None:
+    """GPU 5 moves to DRA. The kubelet (its device manager) keeps it until the Node in the API no
+    longer counts it, and the kubelet's own status write in between, computed while GPU 5 was still
+    listed, does not let it go early: at no moment does the kubelet lack a GPU the scheduler still
+    counts on. (A real kubelet writes the Node only every 10 s: without the agent's patch the
+    scheduler would bind pods to GPU 5 for that long, and the kubelet would refuse them.)"""
+    await asyncio.to_thread(node.agent.wait_port)
+    await node.register_dra()
+    uuids = [d["uuid"] for d in sorted(node.agent.state()["devices"], key=lambda d: d["index"])]
+
+    def kubelet_lists() -> set[str]:
+        process = node.kubelet.current
+        client = process.clients.get("nvidia.com/gpu") if process is not None else None
+        return {d.ID for d in client.devices} if client is not None else set()
+
+    def node_counts() -> int:
+        return int(node.api.nodes[NODE]["status"]["allocatable"]["nvidia.com/gpu"])
+
+    await eventually(lambda: kubelet_lists() == set(uuids[4:]), "the device plugin's four GPUs at the kubelet")
+    node.api.set_allocatable({"nvidia.com/gpu": "4", "cpu": "8"})  # the kubelet's next status sync
+    samples: list[tuple[int, bool]] = []
+    reverted = False
+
+    async def sample() -> None:
+        nonlocal reverted
+        while True:
+            samples.append((node_counts(), uuids[5] in kubelet_lists()))
+            if not reverted and node_counts() == 3:
+                node.api.set_allocatable({"nvidia.com/gpu": "4", "cpu": "8"})  # a status sync from before
+                reverted = True
+            await asyncio.sleep(0.002)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        config = node.root / "config.yaml"
+        config.write_text(SPLIT.replace('"3": dra}', '"3": dra, "5": dra}'))
+        await eventually(lambda: uuids[5] not in kubelet_lists(), "GPU 5 gone from ListAndWatch")
+        await eventually(lambda: uuids[5] in node.published_uuids(), "GPU 5 in a slice")
+    finally:
+        sampler.cancel()
+    assert reverted and node.api.node_status_patches, "the Node was lowered by the agent, twice"
+    assert all(count <= 3 for count, listed in samples if not listed), "a GPU the kubelet lacks was still counted"
+    assert (4, True) in samples and (3, True) in samples  # listed while the Node was lowered: closing
+    assert node.api.nodes[NODE]["status"]["allocatable"]["cpu"] == "8"  # nothing else touched
+    patched = [p["status"]["allocatable"] for p in node.api.node_status_patches]
+    assert patched == [{"nvidia.com/gpu": "3"}, {"nvidia.com/gpu": "3"}]
+
+
+async def test_a_claim_allocated_from_the_old_slice_is_prepared_and_held_not_stranded(node: Node) -> None:
+    """Seen on a real cluster: GPU 0 moves from DRA to the device plugin while the scheduler
+    allocates a claim from the slice that still lists it; the kubelet asks for it only later. The
+    agent finds the claim through the node's pods, keeps GPU 0 draining for it, and prepares it."""
+    await asyncio.to_thread(node.agent.wait_port)
+    endpoint = await node.register_dra()
+    await eventually(lambda: node.published() == {"gpu-0", "gpu-1", "gpu-2", "gpu-3"}, "the DRA GPUs in a slice")
+    ref = node.claim("late", "gpu-0", "uid-late")  # allocated from the slice with gpu-0 in it
+    pod = node.api.add_pod("ml", "pod-late", uid="pod-uid-late")
+    pod["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": "late"}]
+    config = node.root / "config.yaml"
+    config.write_text(SPLIT.replace('"0": dra, ', ""))  # GPU 0 to the device plugin
+    await eventually(lambda: "gpu-0" not in node.published(), "GPU 0 out of the slice")
+
+    def gpu0() -> dict[str, Any]:
+        return dict(node.agent.state()["devices"][0])
+
+    await eventually(lambda: "claim ml/late" in (gpu0()["draining"] or {}).get("waiting_for", ""), "held by it")
+    async with grpc.aio.insecure_channel(f"unix://{endpoint}") as dra:
+        stub = dra_grpc.DRAPluginStub(dra)
+        answer = await stub.NodePrepareResources(dra_pb.NodePrepareResourcesRequest(claims=[ref]), timeout=45)
+        assert answer.claims["uid-late"].error == "", answer.claims["uid-late"].error
+        assert gpu0()["owner"] == "draining:dra->device-plugin"
+        await stub.NodeUnprepareResources(dra_pb.NodeUnprepareResourcesRequest(claims=[ref]), timeout=45)
+    node.api.delete_pod("ml", "pod-late")
+    await eventually(lambda: gpu0()["owner"] == "device-plugin", "GPU 0 with the device plugin")

@@ -13,9 +13,15 @@ kubelet's and the scheduler's moves, with their real constraints:
 
 * the kubelet allocates only devices ListAndWatch lists, and PodResources shows an allocation
   a moment after Allocate answered (well inside the handover's settle window);
-* the scheduler allocates only devices of slices the API has; a slice write is attempted, then
-  succeeds (or not yet); ``published_gpus`` covers attempted and written (only the API's
-  side is modelled: a cluster that keeps no device taints, writes that succeed whole);
+* the scheduler allocates only devices of slices the API had, but possibly from a slice the API
+  replaced a moment ago (a scheduling cycle that started before it saw the new one: up to
+  ``SCHEDULER_LAG_S``); the pod is bound then, and the kubelet asks for the claim to be prepared
+  later, at any time, or the pod is deleted first; a slice write is attempted, then succeeds (or
+  not yet); ``published_gpus`` covers attempted and written (only the API's side is modelled: a
+  cluster that keeps no device taints, writes that succeed whole). The agent lists the node's
+  pods and reads their claims now and then (:class:`~agent.dra.claims.allocated.AllocatedClaims`);
+  a claim allocated from a slice that still listed a GPU is always prepared when the kubelet asks
+  (it is never stranded: refused forever, as the scheduler never allocates it again);
 * PodResources may be down; the agent may restart at any point (grants derived afresh, the DRA
   checkpoint restored, the publisher not trusting slices until it has listed them) — a restart
   takes longer than the kubelet takes to record an allocation it already had the answer for.
@@ -33,7 +39,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from agent.backends.simulated import SimulatedBackend
 from agent.cdi.service import create_cdi_service
@@ -44,7 +50,7 @@ from agent.core.inventory.current import InventoryState
 from agent.core.inventory.model import Inventory
 from agent.core.mechanism import Readiness, Usage
 from agent.core.node import NodeFacts
-from agent.core.ownership.handover import SETTLE_S, Handover, Observed
+from agent.core.ownership.handover import DRA_SETTLE_S, Handover, Observed
 from agent.core.ownership.table import OwnershipState, compute_ownership
 from agent.deviceplugin.allocate import resolve_ids
 from agent.deviceplugin.errors import AllocationError
@@ -52,9 +58,10 @@ from agent.deviceplugin.podresources import ContainerDevices, Snapshot
 from agent.deviceplugin.resources import advertised, plan_resources
 from agent.deviceplugin.usage import device_usage
 from agent.dra.devices import dra_devices
-from agent.dra.mechanism import DraMechanism, build_dra
+from agent.dra.mechanism import DraMechanism, DraTuning, build_dra
 from agent.dra.slices.plan import Plan, SliceDevice, StoredSlice, desired_slices, plan
 from agent.kube.claims.model import ClaimRef
+from agent.kube.podclaims import PodClaims
 from tests.dra_fakes import BOOT, NODE, FakeClaimSource, make_config, result
 from tests.test_ownership import granted_gpus
 
@@ -64,6 +71,23 @@ OWNERS = st.sampled_from([DP, DRA, NONE])
 GPU = st.integers(min_value=0, max_value=N_GPUS - 1)
 NAME = st.sampled_from([f"w{i}" for i in range(4)])
 NODE_UID = "node-uid"
+#: how long after the API replaced a slice the scheduler may still allocate from the old one
+SCHEDULER_LAG_S = 1.0
+assert SCHEDULER_LAG_S < DRA_SETTLE_S
+
+
+class ModelPods:
+    """The node's pods as the API lists them: those with a claim allocated or prepared."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def list(self) -> list[PodClaims]:
+        await asyncio.sleep(0)
+        return [
+            PodClaims(namespace="default", pod=f"pod-{name}", uid=f"pod-{ref.uid}", claims=(name,))
+            for name, ref in self.node.refs.items()
+        ]
 
 
 class ModelPublisher:
@@ -123,9 +147,14 @@ class Node(RuleBasedStateMachine):
         self.pending: list[tuple[str, str, float]] = []
         self.podresources_up = True
         self.snapshot: Snapshot | None = None
-        # the API server: claims the scheduler allocated, and prepared ones
+        # the API server: claims the scheduler allocated (their pods bound), prepared ones, and the
+        # devices of the stored slices over time (what the scheduler may still allocate from)
         self.claims = FakeClaimSource()
+        self.refs: dict[str, ClaimRef] = {}
+        self.allocated: dict[str, str] = {}
         self.prepared: dict[str, str] = {}
+        self.stored_history: list[tuple[float, frozenset[str]]] = [(float("-inf"), frozenset())]
+        self.serial = 0
         self.publisher = ModelPublisher(self.inventory)
         self.start_agent()
 
@@ -150,6 +179,8 @@ class Node(RuleBasedStateMachine):
                 registry=None,
                 node_name=NODE,
                 boot_id=BOOT,
+                tuning=DraTuning(clock=lambda: self.clock),
+                pods=ModelPods(self),
             )
         )
         self.handover = Handover(
@@ -178,6 +209,14 @@ class Node(RuleBasedStateMachine):
     def dp_listed(self) -> frozenset[str]:
         """What ListAndWatch lists right now (healthy or not)."""
         return frozenset(d.device.gpu_uuid for d in advertised(self.resource, self.ownership.current, self.health))
+
+    @initialize(owners=st.lists(OWNERS, min_size=N_GPUS, max_size=N_GPUS))
+    def settled_node(self, owners: list[Owner]) -> None:
+        """The node starts in a settled state with any split, so that handovers are a few steps away."""
+        for gpu, owner in enumerate(owners):
+            self.want[gpu] = owner
+        self.handover.set_desired(self.desired())
+        self.settle()
 
     # --- the kubelet and the device plugin ---------------------------------------------------
 
@@ -216,22 +255,58 @@ class Node(RuleBasedStateMachine):
 
     # --- the scheduler, the API and DRA ------------------------------------------------------
 
+    def schedulable(self) -> frozenset[str]:
+        """Device names the scheduler may allocate now: in a slice the API has or had a moment ago."""
+        return (
+            frozenset(d for at, devices in self.stored_history for d in devices if at >= self.clock - SCHEDULER_LAG_S)
+            | self.stored_history[-1][1]
+        )
+
     @rule(name=NAME, gpu=GPU)
-    def scheduler_allocates_and_kubelet_prepares(self, name: str, gpu: int) -> None:
+    def scheduler_allocates(self, name: str, gpu: int) -> None:
+        """Allocated from the slices the scheduler saw, and the pod bound; no Prepare yet."""
         uuid = self.gpus[gpu]
-        if name in self.prepared or self.devices[uuid] not in self.publisher.stored_devices():
+        taken = set(self.allocated.values()) | set(self.prepared.values())
+        if name in self.refs or uuid in taken or self.devices[uuid] not in self.schedulable():
             return
-        ref = self.claims.add(name, result(self.devices[uuid]))
+        self.serial += 1
+        self.refs[name] = self.claims.add(name, result(self.devices[uuid]), uid=f"uid-{name}-{self.serial}")
+        self.allocated[name] = uuid
+
+    @rule(name=NAME)
+    def kubelet_prepares(self, name: str) -> None:
+        if name not in self.allocated:
+            return
+        ref = self.refs[name]
+        uuid = self.allocated[name]
         answer = self.run(self.dra.driver.prepare([ref]))[ref.uid]
-        if not answer.error:
-            self.prepared[name] = uuid
+        if answer.error:
+            # refused while the GPU is unhealthy, or while a drain derived at start still waits on
+            # another mechanism (the kubelet retries); refused for good it would be stranded: the
+            # scheduler never allocates it again
+            drain = self.ownership.current.draining.get(uuid)
+            temporary = not self.health.is_healthy(uuid) or (drain is not None and drain.source is not DRA)
+            assert temporary, f"claim allocated on a DRA device refused: {answer.error}"
+            return
+        self.prepared[name] = self.allocated.pop(name)
+
+    @rule(name=NAME)
+    def pod_deleted_before_its_claim_was_prepared(self, name: str) -> None:
+        if name in self.allocated:
+            del self.allocated[name], self.refs[name]
+            self.claims.claims.pop(("default", name), None)
 
     @rule(name=NAME)
     def kubelet_unprepares(self, name: str) -> None:
         if name in self.prepared:
-            ref = ClaimRef(namespace="default", name=name, uid=f"uid-default-{name}")
+            ref = self.refs.pop(name)
             assert self.run(self.dra.driver.unprepare([ref]))[ref.uid] == ""
             del self.prepared[name]
+            self.claims.claims.pop(("default", name), None)
+
+    @rule()
+    def agent_lists_the_nodes_pods(self) -> None:
+        self.run(self.dra.allocated.refresh())
 
     @rule()
     def slice_write_attempted(self) -> None:
@@ -267,6 +342,7 @@ class Node(RuleBasedStateMachine):
                 )
                 for i, devices in enumerate(desired)
             )
+            self.stored_history.append((self.clock, self.publisher.stored_devices()))
         self.publisher.writing = None
         self.publisher.listed = True
 
@@ -311,14 +387,22 @@ class Node(RuleBasedStateMachine):
     @invariant()
     def never_held_through_both(self) -> None:
         dp = set(self.pods.values()) | {u for _, u, _ in self.pending}
-        dra = set(self.prepared.values())
+        dra = set(self.prepared.values()) | set(self.allocated.values())
         assert not dp & dra, f"held through both mechanisms: {sorted(dp & dra)}"
+
+    @invariant()
+    def an_allocated_claim_is_never_stranded(self) -> None:
+        """Its GPU stays DRA's, or drains (and the drain waits for it), until it is prepared."""
+        table = self.ownership.current
+        for name, uuid in self.allocated.items():
+            ok = table.granted_to(uuid, DRA) or uuid in table.draining
+            assert ok, f"claim {name} on {uuid} stranded: {table.state_of(uuid)}"
 
     @invariant()
     def never_granted_while_the_other_mechanism_holds_it(self) -> None:
         table = self.ownership.current
         dp = set(self.pods.values()) | {u for _, u, _ in self.pending}
-        dra = set(self.prepared.values())
+        dra = set(self.prepared.values()) | set(self.allocated.values())
         assert not {g for g in dp if not table.granted_to(g, DP)} & granted_gpus(table, DRA)
         assert not {g for g in dra if not table.granted_to(g, DRA)} & granted_gpus(table, DP)
 
@@ -331,19 +415,31 @@ class Node(RuleBasedStateMachine):
             self.loop.close()
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def _every_drain_completes_once_its_users_are_gone(self) -> None:
-        self.pending = []
-        self.pods.clear()
-        for name in list(self.prepared):
-            self.kubelet_unprepares(name)
+    def settle(self) -> None:
+        """Time enough passes, with PodResources up and every slice write going through, for every
+        drain whose users are gone to complete."""
         self.podresources_up = True
         for _ in range(4):
-            self.clock += SETTLE_S + 0.1
+            self.clock += DRA_SETTLE_S + 0.1
             self.podresources_polled()
+            self.agent_lists_the_nodes_pods()
             self.handover.evaluate()
             self.slice_write_attempted()
             self.slice_write_succeeds()
             self.handover.evaluate()
+
+    def _every_drain_completes_once_its_users_are_gone(self) -> None:
+        self.pending = []
+        self.pods.clear()
+        for gpu in range(N_GPUS):
+            self.health_flips(gpu, healthy=True)
+        self.settle()
+        for name in list(self.allocated):
+            self.kubelet_prepares(name)  # every allocated claim is prepared when the kubelet asks
+        assert not self.allocated, {n: self.ownership.current.state_of(u) for n, u in self.allocated.items()}
+        for name in list(self.prepared):
+            self.kubelet_unprepares(name)
+        self.settle()
         table = self.ownership.current
         assert table.draining == {}, {g: d.waiting_for for g, d in table.draining.items()}
         for i, owner in self.want.items():
@@ -357,3 +453,33 @@ Node.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestNodeOwnership = Node.TestCase
+
+
+def test_a_claim_allocated_from_the_old_slice_is_prepared_when_the_kubelet_asks_later() -> None:
+    """Seen on a real cluster: GPU 0 moves from DRA to the device plugin; a pod created at that
+    moment got GPU 0 from the slice that still listed it. The kubelet asks for the claim only
+    after the slice changed: it is prepared, and GPU 0 waits for it."""
+    node = Node()
+    try:
+        node.settled_node([DRA, DP, DP])
+        node.scheduler_allocates("w0", 0)  # from the slice the scheduler saw
+        node.config_changes(0, DP)
+        node.slice_write_attempted()
+        node.slice_write_succeeds()  # the slice without GPU 0
+        node.time_passes(1.0)
+        node.handover_ticks()
+        node.agent_lists_the_nodes_pods()
+        for _ in range(4):
+            node.time_passes(1.0)
+            node.podresources_polled()
+            node.agent_lists_the_nodes_pods()
+            node.handover_ticks()
+        assert node.ownership.current.state_of(node.gpus[0]) == "draining:dra->device-plugin"
+        assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
+        node.kubelet_prepares("w0")
+        assert node.prepared == {"w0": node.gpus[0]}
+        node.kubelet_unprepares("w0")
+        node.settle()
+        assert node.ownership.current.granted_to(node.gpus[0], DP)
+    finally:
+        node.teardown()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import structlog
@@ -17,11 +17,11 @@ from agent.core.config.schema import HealthConfig, Owner, PluginConfig, TimeSlic
 from agent.core.health.model import Signal, SignalKind
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.model import Inventory
-from agent.core.ownership.table import OwnershipState
+from agent.core.ownership.table import Drain, OwnershipState
 from agent.deviceplugin.resources import plan_resources
 from agent.deviceplugin.service import ResourceService
 from agent.deviceplugin.servicer import DevicePluginServicer
-from tests.test_plugin_fakes import FakeCdi, ownership_for
+from tests.test_plugin_fakes import FakeCdi, ownership_for, wait_for
 
 
 @dataclass
@@ -224,6 +224,42 @@ async def test_list_and_watch_first_message_and_topology(env: Env) -> None:
         await stream.recv_trailing_metadata()
     assert not env.servicer.streams
     assert env.service.changed.subscriber_count == 0
+
+
+async def test_the_first_answer_waits_until_this_starts_grants_are_decided(env: Env) -> None:
+    """Right after a start nothing may be granted yet; an empty first list would tell the kubelet
+    "no GPUs here". The first answer waits for the grants (bounded), then carries them."""
+    table = env.ownership.current
+    env.ownership.current = OwnershipState().current  # nothing granted yet
+    env.ownership.decided.clear()
+    async with env.stub.channel.request(
+        "/v1beta1.DevicePlugin/ListAndWatch", Cardinality.UNARY_STREAM, pb.Empty, pb.ListAndWatchResponse
+    ) as stream:
+        await stream.send_message(pb.Empty(), end=True)
+        await wait_for(lambda: env.servicer.streams, what="the stream open")
+        env.ownership.update(table)  # the handover decided
+        first = await stream.recv_message()
+        assert first is not None and [d.id for d in first.devices] == [env.gpu(i) for i in range(8)]
+        env.service.stop_streams()
+        await stream.recv_message()
+        await stream.recv_trailing_metadata()
+
+
+async def test_preferred_allocation_keeps_off_gpus_the_plugin_is_giving_up(env: Env) -> None:
+    g = [env.gpu(i) for i in range(8)]
+    table = env.ownership.current
+    closing = {g[0]: Drain(Owner.DEVICE_PLUGIN, Owner.DRA, since=0.0, closing=True)}
+    env.ownership.update(replace(table, draining=closing))
+
+    def request(avail: list[str], size: int) -> pb.PreferredAllocationRequest:
+        one = pb.ContainerPreferredAllocationRequest(available_device_i_ds=avail, allocation_size=size)
+        return pb.PreferredAllocationRequest(container_requests=[one])
+
+    (answer,) = (await env.stub.get_preferred_allocation(request([g[0], g[1]], 1))).container_responses
+    assert list(answer.device_i_ds) == [g[1]]
+    # only the closing GPU is left: it is still the plugin's to give (a pod bound before the Node changed)
+    (answer,) = (await env.stub.get_preferred_allocation(request([g[0], g[1]], 2))).container_responses
+    assert sorted(answer.device_i_ds) == sorted([g[0], g[1]])
 
 
 async def test_per_allocate_line_only_at_debug(env: Env) -> None:

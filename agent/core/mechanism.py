@@ -90,6 +90,64 @@ class NodeStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class SchedulerView:
+    """Which GPUs a mechanism still serves that the scheduler no longer counts on.
+
+    The scheduler places device-plugin pods by the Node's ``status.allocatable``, which the
+    kubelet updates only at its next status sync (10 s), while ResourceSlices it reads directly.
+    So the device plugin keeps serving a GPU it is to give up until the scheduler's view of the
+    Node no longer counts it (a *closing* drain), and only then stops listing it.
+    """
+
+    #: GPUs whose withdrawal the scheduler already sees; None: it sees them at once (DRA)
+    closed: frozenset[str] | None = None
+    #: why the others are not closed yet
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCeiling:
+    """The most one extended resource may show in the Node's status: what the device plugin lists
+    (``capacity``) and lists healthy (``allocatable``), less the GPUs it is giving up."""
+
+    capacity: int
+    allocatable: int
+
+
+class NodeCounts(Protocol):
+    """Keeps the Node's counts of the device plugin's resources at or below their ceilings.
+
+    The real one (``agent/kube/nodecounts.py``) lowers them with a ``nodes/status`` patch and
+    watches that the kubelet does not raise them again from a view that still counts a GPU on its
+    way out; :class:`NoNodeCounts` without API access.
+    """
+
+    def lower_to(self, ceilings: Mapping[str, NodeCeiling]) -> None:
+        """The ceilings now (resource name -> ceiling); no I/O."""
+        ...
+
+    def held_since(self, resource: str) -> float | None:
+        """Monotonic time since which the Node has shown ``resource`` at or below its ceiling,
+        without a break; None while it does not (or is not known to)."""
+        ...
+
+    def debug_state(self) -> dict[str, object]: ...
+
+
+class NoNodeCounts:
+    """No API access: the scheduler's view cannot be changed, so it is taken as changed at once."""
+
+    def lower_to(self, ceilings: Mapping[str, NodeCeiling]) -> None:
+        return None
+
+    def held_since(self, resource: str) -> float | None:
+        return float("-inf")
+
+    def debug_state(self) -> dict[str, object]:
+        return {"enabled": False}
+
+
+@dataclass(frozen=True, slots=True)
 class RegistrationCheck:
     """One comparison of what a mechanism advertises with what the node shows.
 
@@ -135,6 +193,10 @@ class Mechanism(Protocol):
 
     def usage(self) -> Usage:
         """Which GPUs are in use through this mechanism (see :class:`Usage`)."""
+        ...
+
+    def scheduler_view(self) -> SchedulerView:
+        """Which GPUs it still serves that the scheduler no longer counts on (see :class:`SchedulerView`)."""
         ...
 
     def registration_checks(self, node: NodeStatus) -> Sequence[RegistrationCheck]:

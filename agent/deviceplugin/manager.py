@@ -13,12 +13,16 @@ the agent's TaskGroup. ``run`` serves until cancelled:
   that names ``kubelet.sock``, a server's socket or RESCAN wakes the servers concerned, and each
   looks at the state and does what it calls for (:mod:`agent.deviceplugin.registration`): events are
   hints, never counted, and ``kubelet.sock`` inode numbers are never compared;
-* health and ownership changes make every open ListAndWatch stream send the new list at once.
+* health and ownership changes make every open ListAndWatch stream send the new list at once,
+  and bring the Node's counts of our resources down to what we list (:mod:`agent.deviceplugin.nodeview`:
+  a GPU the plugin gives up is served until the scheduler no longer counts it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -31,12 +35,21 @@ from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig
 from agent.core.config.schema import Owner, PluginConfig
 from agent.core.inventory.model import Inventory
-from agent.core.mechanism import NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.mechanism import (
+    NodeCounts,
+    NodeStatus,
+    NoNodeCounts,
+    Readiness,
+    RegistrationCheck,
+    SchedulerView,
+    Usage,
+)
 from agent.core.node import NodeFacts
 from agent.deviceplugin.cdinames import CdiNames
 from agent.deviceplugin.divergence import ReplicaCount, plugin_checks, replica_counts
 from agent.deviceplugin.link import KubeletLink
 from agent.deviceplugin.metrics import PluginCollector, PluginMetrics
+from agent.deviceplugin.nodeview import closed_gpus, node_ceilings
 from agent.deviceplugin.podresources import PodResourcesWatcher, Snapshot
 from agent.deviceplugin.preferred import TopologyScorer
 from agent.deviceplugin.resources import Resource, ResourcePlan, plan_resources
@@ -80,10 +93,20 @@ class PluginManager:
         backoff: Backoff = REGISTRATION_BACKOFF,
         timeouts: RegistrationTimeouts = DEFAULT_REGISTRATION_TIMEOUTS,
         pod_resources: PodResourcesWatcher | None = None,
+        node_counts: NodeCounts | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config_state = config_state
-        #: who holds which device, from the kubelet (None: not asked, usage unknown)
+        #: lowers the Node's counts of our resources (the scheduler's view) as GPUs leave us
+        self.node_counts: NodeCounts = node_counts or NoNodeCounts()
+        self._clock = clock
+        #: closing GPUs let go without the Node lowered (warned once each)
+        self._given_up: frozenset[str] = frozenset()
+        #: who holds which device, from the kubelet (None: not asked, usage unknown); asked more
+        #: often while a GPU drains away from the plugin (its handover waits for a fresh answer)
         self.pod_resources = pod_resources
+        if pod_resources is not None:
+            pod_resources.urgent = self._draining_away
         self._inventories = node.inventory
         #: the inventory the servers' plan was built from
         self._inventory = node.inventory.current
@@ -169,6 +192,34 @@ class PluginManager:
     def usage(self) -> Usage:
         return self._device_usage().usage
 
+    def _draining_away(self) -> bool:
+        return any(d.source is Owner.DEVICE_PLUGIN for d in self._ownership.current.draining.values())
+
+    def scheduler_view(self) -> SchedulerView:
+        """Which closing GPUs the scheduler no longer counts on (:func:`closed_gpus`)."""
+        result = closed_gpus(self._plan.resources, self._ownership.current, self.node_counts, self._clock())
+        for gpu in sorted(result.given_up - self._given_up):
+            log.warning(
+                "the Node's counts could not be lowered in time; the GPU leaves the device plugin regardless",
+                gpu=gpu,
+                node_counts=self.node_counts.debug_state(),
+            )
+        self._given_up = result.given_up
+        return result.view
+
+    def use_node_counts(self, node_counts: NodeCounts) -> None:
+        """Lower the Node's counts through ``node_counts`` from now on (phase 2 brings the API client)."""
+        self.node_counts = node_counts
+        self._push_ceilings()
+
+    def _push_ceilings(self) -> None:
+        """Tell the Node gate what the scheduler may count now (no I/O); not before this start's
+        grants are known (lowering the Node to a list that is still being decided would send the
+        scheduler's ``nvidia.com/gpu`` pods to DRA until the kubelet's next status sync)."""
+        if not self._ownership.decided.is_set():
+            return
+        self.node_counts.lower_to(node_ceilings(self._plan.resources, self._ownership.current, self._health))
+
     def _device_usage(self) -> DeviceUsage:
         """Which GPUs containers hold, from the newest PodResources answer (unknown without one)."""
         watcher = self.pod_resources
@@ -220,6 +271,7 @@ class PluginManager:
             "resources": {name: s.debug_state() for name, s in sorted(self._servers.items())},
             "replicas": [r.as_dict() for r in self.replica_counts()],
             "pod_resources": self._pod_resources_state(),
+            "node_counts": self.node_counts.debug_state(),
         }
 
     def _pod_resources_state(self) -> dict[str, object]:
@@ -274,6 +326,7 @@ class PluginManager:
                     tg.create_task(self._watch_inventory(inventory_changes), name="plugin-watch-inventory")
                     tg.create_task(self._watch_health(), name="plugin-watch-health")
                     tg.create_task(self._watch_ownership(), name="plugin-watch-ownership")
+                    tg.create_task(self._when_decided(), name="plugin-grants-decided")
                     if self.pod_resources is not None:
                         tg.create_task(self.pod_resources.run(), name="plugin-pod-resources")
         finally:
@@ -314,6 +367,7 @@ class PluginManager:
         started = [name for name in wanted if name not in self._servers]
         for name in started:
             self._start_server(tg, wanted[name])
+        self._push_ceilings()
         log.info("device plugin resources", resources=self._plan.names(), started=started, stopped=stopped, kept=kept)
 
     def _start_server(self, tg: asyncio.TaskGroup, resource: Resource) -> None:
@@ -382,6 +436,7 @@ class PluginManager:
             self._replan.set()
 
     def _notify_all(self) -> None:
+        self._push_ceilings()
         for server in self._servers.values():
             server.notify()
 
@@ -391,6 +446,12 @@ class PluginManager:
                 await changes.get()
                 changes.drain()
                 self._notify_all()
+
+    async def _when_decided(self) -> None:
+        """The Node gate hears the ceilings once this start's grants are known; then idle."""
+        await self._ownership.decided.wait()
+        self._push_ceilings()
+        await asyncio.Event().wait()
 
     async def _watch_ownership(self) -> None:
         with self._ownership.changes.subscribe() as changes:

@@ -31,6 +31,8 @@ T = TypeVar("T")
 CALL_TIMEOUT_S = 2.0
 #: the newest answer is at most about this old while the kubelet answers
 POLL_S = 1.0
+#: the same while a GPU drains away from the device plugin (a handover waits for a fresh answer)
+FAST_POLL_S = 0.25
 #: how often GetAllocatableResources is asked (it changes only with ListAndWatch updates)
 ALLOCATABLE_EVERY_S = 10.0
 #: a kubelet answer with more containers than this is cut (a node runs at most a few hundred pods)
@@ -142,6 +144,9 @@ class PodResourcesWatcher:
 
     client: PodResourcesClient
     poll_s: float = POLL_S
+    fast_poll_s: float = FAST_POLL_S
+    #: whether an answer is wanted soon (the device plugin sets it: a GPU drains away from it)
+    urgent: Callable[[], bool] = field(default=lambda: False, repr=False)
     allocatable_every_s: float = ALLOCATABLE_EVERY_S
     clock: Callable[[], float] = time.monotonic
     latest: Snapshot | None = None
@@ -159,7 +164,7 @@ class PodResourcesWatcher:
     async def run(self) -> None:
         while True:
             await self.poll()
-            await asyncio.sleep(self.poll_s)
+            await asyncio.sleep(self.fast_poll_s if self.urgent() else self.poll_s)
 
     async def poll(self) -> None:
         """One List (and, when due, one GetAllocatableResources); the result or the reason is kept."""

@@ -9,6 +9,8 @@ resource name swaps the resource, config, inventory and scorer in place
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,9 @@ from agent.deviceplugin.errors import AllocationError, ErrorKind
 from agent.deviceplugin.link import KubeletLink
 from agent.deviceplugin.preferred import TopologyScorer, preferred_allocation
 from agent.deviceplugin.resources import DeviceState, HealthLookup, Resource, advertised
+
+#: how long a first ListAndWatch answer waits for this start's grants
+FIRST_LIST_WAIT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,17 @@ class ResourceService:
 
     def devices(self) -> list[DeviceState]:
         return advertised(self.resource, self._ownership.current, self._health)
+
+    async def grants_decided(self, timeout_s: float = FIRST_LIST_WAIT_S) -> None:
+        """Until this start's grants are known (bounded), before the first ListAndWatch answer.
+
+        Right after a start the handover may not have decided yet which GPUs are the plugin's;
+        an empty first list would tell the kubelet "no GPUs here" (see
+        :class:`~agent.core.ownership.table.OwnershipState`). Waits at most ``timeout_s``.
+        """
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._ownership.decided.wait()
 
     def notify(self) -> None:
         """Tell every open ListAndWatch stream to send the current list."""
@@ -130,7 +146,7 @@ class ResourceService:
             )
         return [
             preferred_allocation(
-                available=r.available,
+                available=self._staying(r),
                 must_include=r.must_include,
                 size=r.size,
                 gpu_of=self.resource.gpu_of,
@@ -141,6 +157,14 @@ class ResourceService:
             )
             for r in requests
         ]
+
+    def _staying(self, request: PreferredRequest) -> Sequence[str]:
+        """The available devices less those of GPUs the plugin is giving up (closing), when the
+        rest is enough: a pod admitted while a GPU closes then does not hold up its handover."""
+        table = self._ownership.current
+        gpu_of = self.resource.gpu_of
+        staying = [i for i in request.available if i in request.must_include or not table.closing(gpu_of.get(i, ""))]
+        return staying if len(staying) >= request.size else request.available
 
     def _usable(self, device_id: str) -> bool:
         """Whether a listed device may be handed out now (called for known IDs only)."""

@@ -175,6 +175,7 @@ class DevicePluginServicer:
                 service.changed.subscribe() as changes,
             ):
                 log.info("ListAndWatch stream opened")
+                await service.grants_decided()
                 last: tuple[tuple[str, bool], ...] | None = None
                 while not service.stopping:
                     devices = service.devices()

@@ -24,12 +24,14 @@ from agent.base.backoff import Backoff
 from agent.base.errors import StartupError
 from agent.cdi.service import CdiProvider
 from agent.core.config.schema import Config, Owner
-from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, Usage
+from agent.core.mechanism import Holder, NodeStatus, Readiness, RegistrationCheck, SchedulerView, Usage
 from agent.core.node import NodeFacts
 from agent.core.ownership.table import OwnershipState
 from agent.core.partitioning import MigControl, MpsControl
+from agent.dra.claims.allocated import AllocatedClaims, PodClaimLister
 from agent.dra.claims.checkpoint import CheckpointStore, read_boot_id
 from agent.dra.claims.driver import DEFAULT_PREPARE_TIMEOUTS, DraDriver, PrepareTimeouts
+from agent.dra.claims.holders import add_claim
 from agent.dra.claims.prepared import PreparedClaims
 from agent.dra.claims.specwriter import ClaimSpecWriter, specs_to_keep
 from agent.dra.kubelet.endpoints import (
@@ -91,6 +93,8 @@ class DraTuning:
     backoff: Backoff = SERVE_BACKOFF
     health_resend_s: float = RESEND_S
     health_sleep: Callable[[float], Awaitable[None]] = field(default=asyncio.sleep)
+    #: the monotonic clock the mechanism's observations are stamped with (the handover's)
+    clock: Callable[[], float] = time.monotonic
 
 
 class DraMechanism:
@@ -105,9 +109,14 @@ class DraMechanism:
         registration: RegistrationState,
         publisher: SlicePublisher,
         ownership: OwnershipState,
+        allocated: AllocatedClaims,
         backoff: Backoff = SERVE_BACKOFF,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock
         self.driver = driver
+        #: claims allocated on our devices and not prepared yet (looked for while a GPU drains away)
+        self.allocated = allocated
         self.plugin = plugin
         self.feed = feed
         self.registration = registration
@@ -135,6 +144,7 @@ class DraMechanism:
                 tg.create_task(self.plugin.run(), name="dra-plugin")
                 tg.create_task(self.feed.run(), name="dra-health-feed")
                 tg.create_task(self.publisher.run(), name="dra-slices")
+                tg.create_task(self.allocated.run(), name="dra-allocated-claims")
         finally:
             await self.driver.close()
 
@@ -225,35 +235,36 @@ class DraMechanism:
             return Usage(known=False, reason=f"the DRA checkpoint is not loaded: {prepared.load_error or 'not yet'}")
         holders: dict[str, list[Holder]] = {}
         for claim in prepared.values():
-            by_gpu: dict[str, list[str]] = {}
-            for device in claim.devices:
-                by_gpu.setdefault(device.gpu_uuid, []).append(device.name)
-            for gpu, names in by_gpu.items():
-                holders.setdefault(gpu, []).append(
-                    Holder(
-                        kind="claim",
-                        namespace=claim.namespace,
-                        name=claim.name,
-                        uid=claim.uid,
-                        detail="" if claim.complete else "rebuilt from its CDI spec; name unknown until prepared again",
-                        devices=tuple(dict.fromkeys(names)),
-                        since=claim.prepared_at,
-                    )
-                )
+            add_claim(
+                holders,
+                namespace=claim.namespace,
+                name=claim.name,
+                uid=claim.uid,
+                devices=((d.gpu_uuid, d.name) for d in claim.devices),
+                detail="" if claim.complete else "rebuilt from its CDI spec; name unknown until prepared again",
+                since=claim.prepared_at,
+            )
         for ref, planned in self.driver.in_preparation():
             # a claim being prepared holds its devices already: a drain must wait for it too
-            for gpu in dict.fromkeys(p.device.gpu_uuid for p in planned):
-                holders.setdefault(gpu, []).append(
-                    Holder(
-                        kind="claim",
-                        namespace=ref.namespace,
-                        name=ref.name,
-                        uid=ref.uid,
-                        detail="being prepared",
-                        devices=tuple(p.device.name for p in planned if p.device.gpu_uuid == gpu),
-                    )
-                )
-        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=time.monotonic())
+            devices = ((p.device.gpu_uuid, p.device.name) for p in planned)
+            add_claim(
+                holders, namespace=ref.namespace, name=ref.name, uid=ref.uid, devices=devices, detail="being prepared"
+            )
+        now = self._clock()
+        if not self.allocated.needed():
+            return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=now)
+        # a GPU drains away: claims the scheduler allocated on it and the kubelet has not had
+        # prepared yet hold it too; the observation is as old as the pod list it comes from
+        view = self.allocated.view()
+        if not view.known:
+            return Usage(known=False, reason=view.reason)
+        for gpu, allocated in view.holders.items():
+            holders.setdefault(gpu, []).extend(allocated)
+        return Usage(known=True, holders={gpu: tuple(h) for gpu, h in holders.items()}, as_of=min(now, view.as_of))
+
+    def scheduler_view(self) -> SchedulerView:
+        """The scheduler reads ResourceSlices directly: a GPU left out of them is closed at once."""
+        return SchedulerView()
 
     def registration_checks(self, node: NodeStatus) -> list[RegistrationCheck]:
         """The devices the pool should hold against those its ResourceSlices hold (the publisher's view)."""
@@ -330,13 +341,16 @@ async def build_dra(
     gate: ModeGate | None = None,
     mig: MigControl | None = None,
     mps: MpsControl | None = None,
+    pods: PodClaimLister | None = None,
 ) -> DraMechanism:
     """Build the DRA mechanism and restore its prepared claims; call before the CDI service runs.
 
     A state directory that cannot be read at all leaves the mechanism not ready (it retries
     in ``run``); a corrupt checkpoint is moved aside and rebuilt instead. ``gate`` (each GPU's
     publish shape) is shared with the ResourceSlice publisher; ``mig`` and ``mps`` are the
-    backend's (none: dynamic MIG and MPS fail per claim, naming why).
+    backend's (none: dynamic MIG and MPS fail per claim, naming why). ``pods`` lists the claims
+    of this node's pods (None without API access: nothing can be allocated from slices that are
+    never published).
     """
     driver_name = config.dra.driver_name
     metrics = DraMetrics(registry)
@@ -376,8 +390,20 @@ async def build_dra(
         registration_handlers=[RegistrationServicer(registration, metrics, on_registered=publisher.kick)],
         backoff=tuning.backoff,
     )
+    allocated = AllocatedClaims(
+        pods=pods,
+        claims=claims,
+        driver=driver_name,
+        pool=node_name,
+        gpu_of=driver.gpu_of_device,
+        prepared=prepared,
+        ownership=node.ownership,
+        clock=tuning.clock,
+    )
     mechanism = DraMechanism(
         driver=driver,
+        allocated=allocated,
+        clock=tuning.clock,
         plugin=plugin,
         feed=feed,
         registration=registration,

@@ -206,6 +206,8 @@ class ListWatch:
             params["resourceVersion"] = self._list_from
         body = await self._client.list(self.path, params, accept=self._list_accept)
         items = body.get("items")
+        if items is None and "items" in body:
+            items = []  # a real API server sends an empty PartialObjectMetadataList's items as null
         if not isinstance(items, list):
             raise KubeError(f"list {self.path}: the answer has no items list", recoverable=True)
         metadata = body.get("metadata")

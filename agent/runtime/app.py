@@ -2,10 +2,13 @@
 
 Start-up, in two phases (undone in reverse by the exit stack):
 
-1. config -> backend + inventory -> health monitor -> CDI service -> the device plugin, which
-   starts serving and registering at once when ownership does not wait for node labels. It
-   advertises nothing until the handover grants it GPUs, so registering early is safe, and the
-   kubelet sees the plugin before the rest of the agent has even been imported;
+1. config -> backend + inventory -> health monitor -> CDI service -> the first grants -> the
+   device plugin, which starts serving and registering at once when ownership does not wait for
+   node labels. The first grants come from the durable record of the device plugin's grants
+   (:mod:`agent.core.ownership.record`): a GPU it lists that the config still gives the device
+   plugin is granted at once, so the first ListAndWatch after a restart carries it. Every other
+   GPU waits for the handover, and the first ListAndWatch answer waits (bounded) for its first
+   decision rather than tell the kubelet "no GPUs";
 2. meanwhile the modules only the rest needs (aiohttp, the API client, DRA, observability) load
    in a worker thread; then the API client, DRA (its checkpoint loaded before CDI reconciles),
    the observers, the handover's first grants and the debug endpoint, then every other root
@@ -39,10 +42,15 @@ from agent.core.config.loader import LoadedConfig, load_config
 from agent.core.config.node import resolve_node_name, uses_label_rules
 from agent.core.health.monitor import HealthMonitor
 from agent.core.inventory.current import InventoryState
+from agent.core.inventory.model import Inventory
 from agent.core.node import NodeFacts
-from agent.core.ownership.table import OwnershipState
+from agent.core.ownership.handover import covers_device_plugin, seed_grants
+from agent.core.ownership.record import GrantRecord, RecordKeeper
+from agent.core.ownership.table import OwnershipState, OwnershipTable, compute_ownership
+from agent.deviceplugin.kubeletcheckpoint import CHECKPOINT, listed_gpus
 from agent.deviceplugin.manager import PluginManager
 from agent.deviceplugin.podresources import PodResourcesClient, PodResourcesWatcher
+from agent.deviceplugin.resources import plan_resources
 from agent.runtime.phase1 import Core, RunOptions
 from agent.runtime.supervisor import supervised
 
@@ -116,7 +124,8 @@ async def _build_core(stack: contextlib.AsyncExitStack, loaded: LoadedConfig, no
     health.set_inventory(first)
     registry = CollectorRegistry(auto_describe=True)
     cdi = create_cdi_service(config, inventory=inventory, registry=registry)
-    node = NodeFacts(inventory=inventory, health=health, ownership=OwnershipState())
+    record, seed, ownership = await _first_grants(loaded, node_name, first)
+    node = NodeFacts(inventory=inventory, health=health, ownership=ownership)
     # every mechanism exists on every node: a node whose GPUs appear later (a driver container
     # that becomes ready) serves them without a restart
     plugin = PluginManager(
@@ -127,4 +136,40 @@ async def _build_core(stack: contextlib.AsyncExitStack, loaded: LoadedConfig, no
         registry=registry,
         pod_resources=PodResourcesWatcher(PodResourcesClient(config.pod_resources_socket)),
     )
-    return Core(loaded, node_name, backend, node, config_state, registry, cdi, plugin)
+    return Core(loaded, node_name, backend, node, config_state, registry, cdi, plugin, record, seed)
+
+
+async def _first_grants(
+    loaded: LoadedConfig, node_name: str, inventory: Inventory
+) -> tuple[RecordKeeper, OwnershipTable | None, OwnershipState]:
+    """The durable record, and the grants it allows before anyone was asked (none when ownership
+    rules match on node labels: those are not known yet)."""
+    config = loaded.config
+    record = GrantRecord(config.state_dir)
+    on_disk = await asyncio.to_thread(record.load)
+    keeper = RecordKeeper(record, on_disk=on_disk, all_gpus=(g.uuid for g in inventory.gpus))
+    await keeper.forget_unreadable()
+    if uses_label_rules(config.ownership) or not on_disk:
+        return keeper, None, OwnershipState()
+    # the kubelet's own checkpoint must show the plugin listed them last, too (a second witness)
+    plan = {r.name: r for r in plan_resources(inventory, config.plugin).resources}
+    kubelet = await asyncio.to_thread(
+        listed_gpus,
+        config.device_plugins_dir / CHECKPOINT,
+        plan=plan,
+        inventory=inventory,
+        own_names={*plan, config.plugin.resource_name},
+    )
+    desired = compute_ownership(
+        inventory, config.ownership, node_name=node_name, node_labels=config.node_labels, version=loaded.version
+    )
+    seed = seed_grants(desired, on_disk & kubelet)
+    complete = covers_device_plugin(seed, desired)
+    log.info(
+        "first grants from the record",
+        recorded=len(on_disk),
+        kubelet_listed=len(kubelet),
+        device_plugin=len(seed.gpus()),
+        complete=complete,
+    )
+    return keeper, seed, OwnershipState(seed, decided=complete)

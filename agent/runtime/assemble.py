@@ -29,6 +29,8 @@ from agent.core.node import NodeFacts
 from agent.core.ownership.handover import Handover, Observed
 from agent.core.ownership.handover_events import HandoverEvents
 from agent.core.ownership.publish import PublishState
+from agent.core.ownership.record import RecordKeeper
+from agent.core.ownership.table import OwnershipTable
 from agent.core.partitioning import MpsControl, NoMps
 from agent.dra.mechanism import build_dra
 from agent.dra.modes import ModeGate
@@ -38,6 +40,8 @@ from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
+from agent.kube.nodecounts import NodeCountsGuard
+from agent.kube.podclaims import NodePodClaims
 from agent.kube.recorder import EventRecorder
 from agent.kube.session import open_kube
 from agent.observe.debug.server import DebugContext, serve_debug
@@ -58,12 +62,14 @@ async def build_rest(
     kube = await stack.enter_async_context(open_kube(config, registry=registry))
     labels = label_source(client=kube, node_name=node_name, static_labels={})
     events: EventRecorder | None = None
+    node_counts: NodeCountsGuard | None = None
     publisher: KubeSlicePublisher | NoApiPublisher = NoApiPublisher()
     claims: ClaimSource = NoApiClaims()
     mig, mps = core.backend.mig, core.backend.mps
     publish = PublishState()
     # each GPU's publish shape: one decision the slices, claim preparation and health all read
     gate = ModeGate(inventory=core.node.inventory, publish=publish, mps_unavailable=mps_reason(mps))
+    pods: NodePodClaims | None = None
     if kube is not None:
         resources = ResourceApi(kube)
         publisher = KubeSlicePublisher(
@@ -77,6 +83,9 @@ async def build_rest(
         )
         claims = KubeClaimSource(client=kube, resource_api=resources)
         events = EventRecorder(client=kube, node_name=node_name, registry=registry)
+        node_counts = NodeCountsGuard(kube, node_name=node_name)
+        pods = NodePodClaims(kube, node_name=node_name)
+        core.plugin.use_node_counts(node_counts)
     # loads the DRA checkpoint and tells CDI which claim specs to keep: before CDI reconciles
     dra = await build_dra(
         config,
@@ -89,6 +98,7 @@ async def build_rest(
         gate=gate,
         mig=mig,
         mps=mps,
+        pods=pods,
     )
     mechanisms: dict[str, Mechanism] = {"device-plugin": core.plugin, "dra": dra}
     observers = build_observers(
@@ -116,6 +126,8 @@ async def build_rest(
         events=events,
         observers=observers,
         publish=publish,
+        record=core.record,
+        resume=core.seed,
     )
     dra.driver.set_inventory_reload(agent.reload_inventory)
     agent.handover.set_desired(agent.compute_ownership(core.loaded))
@@ -152,6 +164,8 @@ async def build_rest(
         roots[name] = functools.partial(agent.serve, name, mechanism)
     if events is not None:
         roots["kube-events"] = events.run
+    if node_counts is not None:
+        roots["node-counts"] = node_counts.run
     if options.config_path is not None:
         watcher = ConfigWatcher(path=options.config_path, overrides=options.overrides, state=core.config_state)
         roots["config-watch"] = watcher.run
@@ -171,13 +185,20 @@ def build_agent(
     events: EventSink | None = None,
     observers: Observers | None = None,
     publish: PublishState | None = None,
+    record: RecordKeeper | None = None,
+    resume: OwnershipTable | None = None,
 ) -> Agent:
-    """The agent with its handover, observers, loop-lag probe and scrape-time collectors."""
+    """The agent with its handover, observers, loop-lag probe and scrape-time collectors.
+
+    ``record`` keeps the durable record of the device plugin's grants, ``resume`` the grants
+    phase 1 made from it (see :mod:`agent.core.ownership.record`)."""
     handover = Handover(
         ownership=node.ownership,
         observe={mechanism.owner: functools.partial(observe, mechanism) for mechanism in mechanisms.values()},
         listener=HandoverEvents(events=events, registry=registry),
         long_wait_s=config_state.config.ownership.handover_warning_s,
+        record=record,
+        resume=resume,
     )
     # without API access unless given: utilization, orphans and the watchdog on what needs none
     observers = observers or build_observers(
@@ -221,8 +242,10 @@ def mps_reason(mps: MpsControl) -> str:
 
 
 def observe(mechanism: Mechanism) -> Observed:
-    """What the handover sees of one mechanism: who uses which GPU, and what it advertises."""
-    return Observed(mechanism.usage(), mechanism.advertised_gpus())
+    """What the handover sees of one mechanism: who uses which GPU, what it advertises, and which
+    GPUs it still serves that the scheduler no longer counts on."""
+    view = mechanism.scheduler_view()
+    return Observed(mechanism.usage(), mechanism.advertised_gpus(), closed=view.closed, closing_note=view.note)
 
 
 async def wait_ready(agent: Agent, ready: asyncio.Event) -> None:

@@ -18,6 +18,8 @@ from agent.cdi.service import CdiProvider
 from agent.core.config.current import ConfigState
 from agent.core.config.loader import LoadedConfig
 from agent.core.node import NodeFacts
+from agent.core.ownership.record import RecordKeeper
+from agent.core.ownership.table import OwnershipTable
 from agent.deviceplugin.manager import PluginManager
 
 
@@ -40,3 +42,6 @@ class Core:
     registry: CollectorRegistry
     cdi: CdiProvider
     plugin: PluginManager
+    #: the durable record of the device plugin's grants, and the grants made from it at start
+    record: RecordKeeper
+    seed: OwnershipTable | None

@@ -2,22 +2,29 @@
 
 The config says which mechanism *should* own each GPU (the desired table, from
 :func:`agent.core.ownership.table.compute_ownership`). A GPU is *granted* to that mechanism only once the
-mechanism that had it no longer uses it; in between it drains, granted to nobody:
+mechanism that had it no longer uses it; in between it drains:
 
-* the old owner stops advertising it at once (it reads the granted table: ListAndWatch drops
-  it on the next send, the ResourceSlice in its next write);
-* the drain completes when the old owner reports, in an observation made after the GPU
-  stopped being advertised (plus a short settle for an Allocate the kubelet had in flight),
-  that nothing holds the GPU, and no longer advertises it; then the new owner gets it;
+* away from the device plugin it first *closes*: the plugin still lists it and answers Allocate
+  until it reports that the scheduler no longer counts it on the Node (:class:`Observed`
+  ``closed``; the plugin lowers the Node's counts itself), so no pod the scheduler placed on it
+  meanwhile is turned away at admission;
+* then the old owner stops advertising it (it reads the granted table: ListAndWatch drops it on
+  the next send, the ResourceSlice in its next write), and it is granted to nobody;
+* the drain completes when the old owner reports, in an observation made a settle after the GPU
+  was seen withdrawn (an Allocate the kubelet had in flight; a claim the scheduler allocated from
+  the slice before it changed), that nothing holds the GPU; then the new owner gets it;
 * a mechanism that cannot tell (the kubelet's PodResources socket missing or failing, the DRA
-  checkpoint not loaded yet) means *unknown*, never idle: the drain waits and says why;
+  checkpoint not loaded yet, the node's pods not listed) means *unknown*, never idle: the drain
+  waits and says why;
 * changing the config back to the old owner ends the drain at once (nothing moved).
 
-On start there is no previous grant to continue from: :func:`next_grants` derives it from
-what each mechanism has in use (PodResources, the DRA checkpoint) and the desired owners, so
-an agent killed in the middle of a drain continues it. The pure decision is
-:func:`next_grants`; :class:`Handover` runs it whenever the desired table changes and, while
-any drain is open, a few times a second.
+On start there is no previous grant to continue from but the grants phase 1 made from the
+durable record (:mod:`agent.core.ownership.record`, :func:`seed_grants`): :func:`next_grants`
+derives every other GPU from what each mechanism has in use (PodResources, the DRA checkpoint,
+the slices) and the desired owners, so an agent killed in the middle of a drain continues it;
+no GPU goes to DRA while the record on disk may still give it to the device plugin. The pure
+decision is :func:`next_grants`; :class:`Handover` runs it whenever the desired table changes
+and, while any drain is open, a few times a second, and keeps the record.
 """
 
 from __future__ import annotations
@@ -33,30 +40,69 @@ import structlog
 
 from agent.core.config.schema import Owner
 from agent.core.mechanism import Usage
+from agent.core.ownership.record import RecordKeeper
 from agent.core.ownership.table import Drain, OwnershipState, OwnershipTable
 
 log = structlog.get_logger("agent.handover")
 
-#: an observation must be this much younger than the drain's start before it counts: covers an
-#: Allocate the kubelet had already sent before the GPU left ListAndWatch
+#: an observation must be this much younger than the moment the device plugin stopped listing the
+#: GPU before it counts: covers an Allocate the kubelet had already sent
 SETTLE_S = 0.5
+#: the same for DRA, from the moment the slice without the GPU was written: covers the scheduler's
+#: cycles that started before it saw that slice (their allocation is written in PreBind, then the
+#: pod is bound) and the pod list that shows the bound pod
+DRA_SETTLE_S = 2.0
 #: how often open drains are re-checked
 TICK_S = 0.25
 #: holders named in a waiting reason (the rest are counted)
 SHOWN_HOLDERS = 3
 
 MECHANISMS = (Owner.DEVICE_PLUGIN, Owner.DRA)
+_SETTLE = {Owner.DEVICE_PLUGIN: SETTLE_S, Owner.DRA: DRA_SETTLE_S}
 
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """What one mechanism reports right now: who uses which GPU, and what it advertises."""
+    """What one mechanism reports right now: who uses which GPU, and what it advertises.
+
+    ``closed`` is for a mechanism whose withdrawal the scheduler sees late (the device plugin:
+    the Node's counts): the GPUs it still serves that the scheduler no longer counts on, so a
+    closing drain may stop serving them. None: the scheduler sees its withdrawal at once.
+    """
 
     usage: Usage
     advertised: frozenset[str] = frozenset()
+    closed: frozenset[str] | None = None
+    #: why closing GPUs are not closed yet (for ``waiting_for``)
+    closing_note: str = ""
 
 
 IDLE = Observed(Usage(known=True, as_of=float("inf")))
+
+
+def seed_grants(desired: OwnershipTable, recorded: frozenset[str]) -> OwnershipTable:
+    """The grants a starting agent can make before it has asked anyone: the GPUs the durable
+    record says were the device plugin's, that the config still gives it.
+
+    The record (:mod:`agent.core.ownership.record`) lists a GPU only while no other mechanism
+    can have been granted it since, so such a GPU is neither in a ResourceSlice nor held through
+    DRA. Every other GPU is left out of ``owners``: :func:`next_grants` derives it at start.
+    """
+    dp = Owner.DEVICE_PLUGIN
+    owners: dict[str, Owner] = {gpu: dp for gpu in desired.gpus() if gpu in recorded and desired.owner_of(gpu) is dp}
+    for mig, parent in desired.parents.items():
+        if parent in owners:
+            owners[mig] = owners[parent]
+    return replace(desired, owners=owners, draining={})
+
+
+def covers_device_plugin(seed: OwnershipTable, desired: OwnershipTable) -> bool:
+    """Whether ``seed`` grants the device plugin every GPU the config gives it."""
+    return all(
+        seed.owners.get(gpu) is Owner.DEVICE_PLUGIN
+        for gpu in desired.gpus()
+        if desired.owner_of(gpu) is Owner.DEVICE_PLUGIN
+    )
 
 
 def next_grants(
@@ -64,11 +110,16 @@ def next_grants(
     previous: OwnershipTable | None,
     observed: Mapping[Owner, Observed],
     now: float,
+    *,
+    recorded: frozenset[str] = frozenset(),
 ) -> OwnershipTable:
     """The granted table that follows ``previous`` for ``desired`` and what the mechanisms report.
 
-    ``previous`` is None on start (derive from usage). ``observed`` has an entry per mechanism;
-    a mechanism that does not exist on this node reports :data:`IDLE`.
+    ``previous`` is None on start (derive from usage), or holds only some GPUs (the grants made
+    at start from the durable record: :func:`seed_grants`); a GPU it does not hold is derived.
+    ``observed`` has an entry per mechanism; a mechanism that does not exist on this node reports
+    :data:`IDLE`. ``recorded``: the GPUs the durable record may still list as the device
+    plugin's; none of them is granted to DRA until the record drops it.
     """
     owners: dict[str, Owner] = {}
     draining: dict[str, Drain] = {}
@@ -80,7 +131,9 @@ def next_grants(
             holder = _first_holder(gpu, want, observed, unknown_blocks=True)
             drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=True)
         elif drain is not None:
-            if want is drain.source:
+            if want is drain.source and drain.closing:
+                drain = None  # the device plugin never stopped serving it: nothing moved
+            elif want is drain.source:
                 # back to the old owner, which never let go (nothing else had it meanwhile); a
                 # drain derived at start is different: its "source" was a doubt, not a grant, so
                 # this is a new grant and every other mechanism must be known not to hold it
@@ -94,14 +147,16 @@ def next_grants(
             holder = _first_holder(gpu, want, observed, unknown_blocks=False)
             drain = None if holder is None else Drain(source=holder, target=want, since=now)
         elif had is not want:
-            drain = Drain(source=had, target=want, since=now)
+            # the device plugin keeps serving it until the scheduler no longer counts it
+            drain = Drain(source=had, target=want, since=now, closing=had is Owner.DEVICE_PLUGIN)
+        if drain is None and want is Owner.DRA and gpu in recorded:
+            drain = Drain(source=Owner.DEVICE_PLUGIN, target=want, since=now, derived=True)
         if drain is not None:
-            waiting = _waiting_for(gpu, drain, observed.get(drain.source, IDLE))
-            drain = None if not waiting else replace(drain, waiting_for=waiting)
+            drain = _progress(gpu, drain, observed, now, recorded=recorded)
         if drain is None:
             owners[gpu] = want
         else:
-            owners[gpu] = Owner.NONE
+            owners[gpu] = Owner.DEVICE_PLUGIN if drain.closing else Owner.NONE
             draining[gpu] = drain
     for mig, parent in desired.parents.items():
         owners[mig] = owners[parent]
@@ -123,13 +178,46 @@ def _first_holder(gpu: str, want: Owner, observed: Mapping[Owner, Observed], *, 
     return doubt
 
 
-def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:
-    """Why the drain cannot complete yet; "" when it can."""
+def _progress(
+    gpu: str, drain: Drain, observed: Mapping[Owner, Observed], now: float, *, recorded: frozenset[str]
+) -> Drain | None:
+    """The drain after this observation: still closing, waiting (and why), or done (None).
+
+    A drain derived at start waits on its source, then on every later mechanism that is not its
+    target, in turn (its source becomes the one it waits on): at start any mechanism may hold or
+    advertise the GPU (an earlier run's slices, a claim the scheduler allocated from them).
+    """
     if drain.source is Owner.NONE:
-        return ""
+        return None
+    source = observed.get(drain.source, IDLE)
     name = drain.source.value
+    if drain.closing:
+        if source.closed is not None and gpu not in source.closed:
+            note = source.closing_note or "the Node's counts are not lowered yet"
+            return replace(drain, waiting_for=f"the scheduler still counts it on the Node ({note})")
+        drain = replace(drain, closing=False)
     if gpu in source.advertised:
-        return f"{name} still advertises it"
+        return replace(drain, withdrawn=None, waiting_for=f"{name} still advertises it", held=False)
+    if drain.withdrawn is None:
+        drain = replace(drain, withdrawn=now)
+    waiting = _waiting_for(gpu, drain, source)
+    if waiting:
+        held = source.usage.known and source.usage.in_use(gpu)
+        return replace(drain, waiting_for=waiting, held=held)
+    if drain.derived:
+        later = MECHANISMS[MECHANISMS.index(drain.source) + 1 :] if drain.source in MECHANISMS else ()
+        following = next((m for m in later if m is not drain.target), None)
+        if following is not None:
+            moved = replace(drain, source=following, withdrawn=None)
+            return _progress(gpu, moved, observed, now, recorded=recorded)
+    if drain.target is Owner.DRA and gpu in recorded:
+        return replace(drain, waiting_for="the record of grants on disk still gives it to device-plugin")
+    return None
+
+
+def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:
+    """Why a withdrawn drain cannot complete yet: holders, or no recent enough observation; ""."""
+    name = drain.source.value
     usage = source.usage
     if not usage.known:
         return f"{name} cannot tell who uses it: {usage.reason or 'no answer yet'}"
@@ -139,7 +227,8 @@ def _waiting_for(gpu: str, drain: Drain, source: Observed) -> str:
         more = f" and {len(holders) - SHOWN_HOLDERS} more" if len(holders) > SHOWN_HOLDERS else ""
         kind = "claim" if holders[0].kind == "claim" else "pod"
         return f"in use through {name} by {kind} {shown}{more}"
-    if usage.as_of < drain.since + SETTLE_S:
+    assert drain.withdrawn is not None
+    if usage.as_of < drain.withdrawn + _SETTLE.get(drain.source, SETTLE_S):
         return f"confirming that {name} no longer uses it"
     return ""
 
@@ -168,15 +257,20 @@ class Handover:
         long_wait_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
         tick_s: float = TICK_S,
+        record: RecordKeeper | None = None,
+        resume: OwnershipTable | None = None,
     ) -> None:
+        """``record`` keeps the durable record of the device plugin's grants (none: no record);
+        ``resume`` is the grants made at start from it (:func:`seed_grants`), continued here."""
         self._ownership = ownership
+        self.record = record
         self._observe = dict(observe)
         self._listener = listener
         self._long_wait_s = long_wait_s
         self._clock = clock
         self._tick_s = tick_s
         self._desired: OwnershipTable | None = None
-        self._granted: OwnershipTable | None = None
+        self._granted: OwnershipTable | None = resume
         self._warned: set[tuple[str, float]] = set()
         #: index override key -> the GPU it named last time
         self._index_targets: dict[str, str] = {}
@@ -209,17 +303,32 @@ class Handover:
         if self._desired is None:
             return None
         now = self._clock()
-        granted = next_grants(self._desired, self._granted, self.observations(), now)
+        recorded = self.record.maybe_on_disk if self.record is not None else frozenset()
+        granted = next_grants(self._desired, self._granted, self.observations(), now, recorded=recorded)
         self._report(self._granted, granted, now)
         self._granted = granted
-        self._ownership.update(granted, self._desired)
+        # this start's grants are known once nothing the device plugin should have waits on a doubt
+        # (an answer, a listing); a GPU another mechanism's users hold is known not to be coming
+        decided = not any(
+            d.derived and d.target is Owner.DEVICE_PLUGIN and not d.held for d in granted.draining.values()
+        )
+        if self._ownership.update(granted, self._desired, decided=decided):
+            self._kick.set()  # look again at once: the mechanisms act on the new grants now
+        if self.record is not None:
+            gpus = granted.gpus()
+            self.record.want(frozenset(g for g in gpus if granted.owners[g] is Owner.DEVICE_PLUGIN), gpus)
         return granted
 
     async def run(self) -> None:
-        """Re-check open drains a few times a second, and at once after a desired change."""
+        """Re-check open drains a few times a second, and at once after a desired change or a
+        change of grants; keep the durable record in step between evaluations."""
         while True:
             self._kick.clear()
             self.evaluate()
+            if self.record is not None and self.record.pending():
+                await self.record.flush()
+                if not self.record.last_error:
+                    continue
             timeout = self._tick_s if self._granted is None or self._granted.draining else None
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):

@@ -8,7 +8,9 @@ Two tables of the same shape (:class:`OwnershipTable`):
   the desired table and from what each mechanism still has in use: a GPU moves to its new
   owner only once the old owner no longer uses it. Until then it is *draining*: granted to
   nobody (``owners`` says ``none``) and listed in ``draining`` with where it comes from and
-  where it goes.
+  where it goes. A drain away from the device plugin begins *closing*: the plugin still lists
+  the GPU (``owners`` still says ``device-plugin``) while the scheduler's view of the Node is
+  brought down, so that no pod the scheduler placed on it meanwhile is turned away.
 
 Mechanisms read only the granted table, through :meth:`OwnershipTable.granted_to`. MIG devices
 always belong to their parent's owner.
@@ -16,6 +18,7 @@ always belong to their parent's owner.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
@@ -38,17 +41,30 @@ class Drain:
     #: derived at start (or for a GPU that reappeared) from what might hold it, not from a grant
     #: this process made: the source may never have had it, so going back to it is a new grant
     derived: bool = False
+    #: the source still serves it (the device plugin lists it and answers Allocate) until the
+    #: scheduler no longer counts it on the Node; then the drain proper begins
+    closing: bool = False
+    #: monotonic time the handover first saw the source no longer advertise it (None: not yet):
+    #: only observations made a settle after it count
+    withdrawn: float | None = None
+    #: it waits for known users (pods, claims), not on a doubt (an answer, a settle, a listing)
+    held: bool = False
 
     @property
     def label(self) -> str:
         return f"draining:{self.source.value}->{self.target.value}"
+
+    @property
+    def phase(self) -> str:
+        return "closing" if self.closing else "draining"
 
 
 @dataclass(frozen=True, slots=True)
 class OwnershipTable:
     #: config version the table was computed from
     version: str
-    #: GPU UUID -> owner, and MIG UUID -> its parent's owner (a draining GPU: ``none``)
+    #: GPU UUID -> owner, and MIG UUID -> its parent's owner (a draining GPU: ``none``; a closing
+    #: one: still ``device-plugin``)
     owners: Mapping[str, Owner] = field(default_factory=dict)
     #: MIG UUID -> parent GPU UUID
     parents: Mapping[str, str] = field(default_factory=dict)
@@ -72,9 +88,29 @@ class OwnershipTable:
         """Whether ``owner`` may advertise and hand out this GPU or MIG device now.
 
         The one question both mechanisms ask, for every device they list, publish, allocate
-        or prepare; nothing else decides "is this GPU mine". A draining GPU is nobody's.
+        or prepare; nothing else decides "is this GPU mine". A draining GPU is nobody's; a closing
+        one is still the device plugin's.
         """
-        return self.owner_of(uuid) is owner and self.parents.get(uuid, uuid) not in self.draining
+        drain = self.draining.get(self.parents.get(uuid, uuid))
+        return self.owner_of(uuid) is owner and (drain is None or drain.closing)
+
+    def closing(self, uuid: str) -> bool:
+        """The device plugin still serves this GPU (or MIG device), but it is on its way out."""
+        drain = self.draining.get(self.parents.get(uuid, uuid))
+        return drain is not None and drain.closing
+
+    def dra_may_prepare(self, uuid: str) -> bool:
+        """Whether DRA may prepare a claim on this device: granted to DRA, or draining away from DRA.
+
+        A drain away from DRA is granted to nobody else, so a claim the scheduler allocated from a
+        slice that still listed the device is prepared rather than stranded (the kubelet would
+        retry it forever, and the scheduler never allocates it again); the drain then waits for
+        that claim like any other.
+        """
+        drain = self.draining.get(self.parents.get(uuid, uuid))
+        if drain is not None:
+            return drain.source is Owner.DRA
+        return self.owner_of(uuid) is Owner.DRA
 
     def state_of(self, uuid: str) -> str:
         """What /debug/state shows: the owner, or ``draining:<from>-><to>``."""
@@ -236,21 +272,39 @@ class OwnershipState:
     """Holds the granted table (and the desired one it came from) and announces grant changes.
 
     Only the handover (or a test) calls :meth:`update`. Constructed with a table and nothing
-    else, desired and granted are the same table.
+    else, desired and granted are the same table and the grants count as decided.
+    :attr:`decided` is set once the grants of this start are known: at once when the grants made
+    from the durable record cover every GPU the config gives the device plugin (``decided=True``),
+    else by the handover once no GPU the config gives the device plugin waits on a drain derived
+    at start (a doubt, not a holder: usually the slices of an earlier run, not listed yet). The
+    device plugin holds its first ListAndWatch answer until then (bounded), so the kubelet never
+    hears "no GPUs" from a plugin whose GPUs are a moment away.
     """
 
-    def __init__(self, table: OwnershipTable | None = None) -> None:
+    def __init__(self, table: OwnershipTable | None = None, *, decided: bool | None = None) -> None:
         self.current = table or OwnershipTable(version="")
         self.desired = self.current
         self.changes: Broadcast[OwnershipTable] = Broadcast()
+        self.decided = asyncio.Event()
+        if decided is None:
+            decided = table is not None
+        if decided:
+            self.decided.set()
 
-    def update(self, granted: OwnershipTable, desired: OwnershipTable | None = None) -> bool:
-        """Install a granted table; returns whether any grant changed (and only then publishes)."""
-        changed = dict(granted.owners) != dict(self.current.owners) or set(granted.draining) != set(
-            self.current.draining
-        )
+    def update(self, granted: OwnershipTable, desired: OwnershipTable | None = None, *, decided: bool = True) -> bool:
+        """Install a granted table; returns whether any grant changed (and only then publishes).
+
+        ``decided``: this start's grants are known (see :attr:`decided`; never unset)."""
+        changed = dict(granted.owners) != dict(self.current.owners) or _phases(granted) != _phases(self.current)
         self.current = granted
         self.desired = desired or granted
+        if decided:
+            self.decided.set()
         if changed:
             self.changes.publish(granted)
         return changed
+
+
+def _phases(table: OwnershipTable) -> dict[str, bool]:
+    """GPU -> whether its drain is closing, for the GPUs that drain: what the mechanisms act on."""
+    return {gpu: drain.closing for gpu, drain in table.draining.items()}

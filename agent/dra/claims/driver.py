@@ -478,6 +478,21 @@ class DraDriver:
                     return f"GPU {gpu.index} publish mode {mode.label}: {detail}"
         return ""
 
+    def gpu_of_device(self, name: str) -> str | None:
+        """The physical GPU behind one of this node's DRA device names (None: not a device of ours).
+
+        A name the node publishes now resolves through the mode gate; one from an older slice (a
+        partition or share of a GPU whose publish mode changed since) by its ``gpu-<minor>`` prefix.
+        """
+        device = self.gate.devices_by_name().get(name)
+        if device is not None:
+            return device.gpu_uuid
+        head, _, _ = name.partition("-mig-") if "-mig-" in name else name.partition("-shared")
+        if not head.startswith("gpu-") or not head[4:].isdecimal():
+            return None
+        minor = int(head[4:])
+        return next((gpu.uuid for gpu in self._inventory.current.gpus if gpu.minor == minor), None)
+
     async def _read_claim(self, ref: ClaimRef) -> ResourceClaim | None:
         what = f"reading ResourceClaim {ref.namespace}/{ref.name} from the API server"
         try:

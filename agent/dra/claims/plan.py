@@ -5,11 +5,12 @@ prepare, or the one :class:`~agent.dra.claims.errors.ClaimError` that stops it. 
 order: the claim exists, its UID is the one the kubelet asked for (a claim deleted and
 re-created under the same name is another claim), it is allocated, it has results of this
 driver, each of them is in this node's pool, names a device this node publishes now (a GPU
-changing its publish mode publishes none), whose GPU is granted to DRA and healthy (unknown
-health is not healthy), a share of a shared GPU has its share ID and the memory the scheduler
-allocated it (``consumedCapacity``), and this driver's opaque configs parse. Whether a device
-is free is not decided here: that needs the prepared claims and the batch in flight (see
-:mod:`agent.dra.claims.driver`).
+changing its publish mode publishes none), whose GPU is granted to DRA (or still draining away
+from it: the scheduler allocated it from a slice that still listed it, and the drain waits for
+the claim) and healthy (unknown health is not healthy), a share of a shared GPU has its share ID
+and the memory the scheduler allocated it (``consumedCapacity``), and this driver's opaque
+configs parse. Whether a device is free is not decided here: that needs the prepared claims and
+the batch in flight (see :mod:`agent.dra.claims.driver`).
 
 What a device becomes is the device's business: a partition (or the whole GPU of a GPU in MIG
 mode) is a MIG instance to make (:attr:`DraDevice.partition`), a share is one CDI device of its
@@ -23,7 +24,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from agent.cdi.claimenv import share_key
-from agent.core.config.schema import Owner
 from agent.core.health.model import HealthState
 from agent.core.health.monitor import HealthMonitor
 from agent.core.ownership.table import OwnershipTable
@@ -132,8 +132,8 @@ def _check(
             Reason.DEVICE_UNKNOWN,
             f"{where}: no such device of driver {driver} on this node" + (f" ({why})" if why else ""),
         )
-    if not ownership.granted_to(device.uuid, Owner.DRA):
-        owner = ownership.owner_of(device.uuid).value
+    if not ownership.dra_may_prepare(device.uuid):
+        owner = ownership.state_of(device.uuid)
         raise ClaimError(
             Reason.NOT_DRA_OWNED, f"{where}: GPU {device.gpu_uuid} is not given to DRA on this node (owner: {owner})"
         )
