@@ -75,12 +75,22 @@ async def test_a_prepare_fsyncs_the_checkpoint_not_the_claim_specs(
     await h.prepare(ref)
     spec = f"k8s.gpu-node-agent.nvidia.com-claim_{ref.uid}.json"
     slots = FILE_NAME + ".slots"
-    assert ops == [
-        ("write", spec),
-        ("rename", spec),
-        ("write", slots),  # in place, in the slot the last write did not use
+    # the spec and the checkpoint are written at once (two worker threads): each in its own order
+    assert sorted(ops) == sorted(
+        [
+            ("write", spec),
+            ("rename", spec),
+            ("write", slots),  # in place, in the slot the last write did not use
+            ("fdatasync", slots),
+            ("write", FILE_NAME),  # the copy for people and tools, after the record is durable
+            ("rename", FILE_NAME),
+        ]
+    )
+    assert [op for op in ops if op[1] == spec] == [("write", spec), ("rename", spec)]
+    assert [op for op in ops if op[1] != spec] == [
+        ("write", slots),
         ("fdatasync", slots),
-        ("write", FILE_NAME),  # the copy for people and tools, after the record is durable
+        ("write", FILE_NAME),
         ("rename", FILE_NAME),
     ]
     ops.clear()
@@ -188,6 +198,27 @@ async def test_a_failed_checkpoint_write_fails_the_batch_and_leaves_nothing(
     monkeypatch.undo()
     assert all(e.error == "" for e in (await h.prepare(*refs)).claims.values())  # the devices are free
     assert (await h.unprepare(first)).claims[first.uid].error == ""
+
+
+async def test_a_claim_whose_spec_fails_is_not_in_the_checkpoint_written_beside_it(h: DraHarness) -> None:
+    """The checkpoint is written while the specs are: a claim whose spec write failed is taken out
+    of it again before the answer, and its devices are free; the rest of the batch is prepared."""
+    good, bad = h.claims.add("good", result("gpu-0")), h.claims.add("bad", result("gpu-1"))
+    foreign = {  # another file already defines the name the bad claim's device would get
+        "cdiVersion": "0.5.0",
+        "kind": "k8s.gpu-node-agent.nvidia.com/claim",
+        "devices": [{"name": f"{bad.uid}-{h.gpu(1)}", "containerEdits": {"env": ["X=1"]}}],
+    }
+    h.cdi_root.mkdir(parents=True, exist_ok=True)
+    (h.cdi_root / "someone.json").write_text(json.dumps(foreign))
+    response = await h.prepare(good, bad)
+    assert response.claims[good.uid].error == ""
+    assert "someone.json already defines" in response.claims[bad.uid].error
+    assert checkpoint_uids(h) == {good.uid} and set(h.m.driver.prepared) == {good.uid}
+    assert h.claim_specs() == {good.uid}
+    (h.cdi_root / "someone.json").unlink()
+    assert (await h.prepare(bad)).claims[bad.uid].error == ""  # its GPU was never held
+    assert checkpoint_uids(h) == {good.uid, bad.uid} == h.claim_specs()
 
 
 # --- a crash in the middle of a batch --------------------------------------------------------

@@ -228,7 +228,7 @@ class CdiService:
 
     async def prepare_claims(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str] | CdiError]:
         """Write several claims' specs in one worker-thread hop, atomically but without fsync (the
-        DRA checkpoint written after them is their durable record; see ``docs/cdi.md``).
+        DRA checkpoint, written beside them, is their durable record; see ``docs/cdi.md``).
 
         Each claim succeeds or fails alone: its value is one qualified name per device, in
         order, or the CdiError that stopped it (nothing is written for it then).
@@ -324,8 +324,8 @@ class CdiService:
         return out
 
     def prepared_claims(self) -> dict[str, ClaimDevices] | None:
-        """The external source's claims, plus ours (prepare writes CDI before the checkpoint);
-        None while the source cannot tell."""
+        """The external source's claims, plus ours (a claim's spec may be written before the
+        source records the claim); None while the source cannot tell."""
         out: dict[str, ClaimDevices] = {}
         if self._source is not None:
             answer = self._source()

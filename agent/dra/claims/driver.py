@@ -337,7 +337,7 @@ class DraDriver:
             reserved = [p.ref.uid for p in pending]
             try:
                 pending = await self._set_up(pending, outcomes)
-                # 2. the batch's CDI specs in one go; 3. one checkpoint write for the batch
+                # 2. the batch's CDI specs in one go, and beside them one checkpoint write for the batch
                 outcomes.update(await self._write_specs(pending))
             finally:
                 for uid in reserved:
@@ -438,22 +438,43 @@ class DraDriver:
                     ) from exc
 
     async def _write_specs(self, pending: list[PendingClaim]) -> dict[str, _Outcome]:
-        """Write the CDI specs of the batch's new claims and record the ones that got theirs."""
+        """Write the CDI specs of the batch's new claims and record the ones that got theirs.
+
+        When the specs' device names are known before writing (they are a function of the claim
+        UID and its devices), the claims are recorded first and the checkpoint is written while
+        the specs are, instead of after them: neither write needs the other, and the caller's
+        persist then finds the checkpoint current. It is safe in either order of a crash: a
+        checkpoint whose claim has no spec yet gets it from the CDI reconciler's first pass (and
+        the kubelet, never answered, asks again and is given the stored answer); a spec without
+        its claim in the checkpoint is an orphan the reconciler removes. A claim whose spec
+        failed is taken out of memory again, and the caller's persist writes that down.
+        """
         if not pending:
             return {}
-        written = await self._specs.write({p.ref.uid: p.cdi_devices() for p in pending})
+        claims = {p.ref.uid: p.cdi_devices() for p in pending}
+        expected = self._specs.names(claims)
+        if expected is None:
+            written = await self._specs.write(claims)
+        else:
+            now = self._now()
+            for p in pending:
+                self.prepared.record(p.prepared(expected[p.ref.uid], now))
+            written, _ = await asyncio.gather(self._specs.write(claims), self._persist_early())
         outcomes: dict[str, _Outcome] = {}
         unmade: list[str] = []
         for p in pending:
             names = written[p.ref.uid]
             if isinstance(names, CdiError):
+                if expected is not None:  # recorded above: the claim is not prepared after all
+                    self._unrecord(p)
                 error = ClaimError(Reason.CDI_ERROR, f"writing the claim's CDI spec failed: {names}")
                 outcomes[p.ref.uid] = _Outcome(p.ref, self._failed("prepare", error))
                 if p.made and p.existing is None:
                     unmade.append(p.ref.uid)
                 continue
             prepared = p.prepared(names, self._now())
-            self.prepared.record(prepared)
+            if expected is None or names != expected[p.ref.uid]:
+                self.prepared.record(prepared)
             self._observe_allocation_age(p.allocated_at)
             log.info(
                 "dra.claim_prepared",
@@ -466,6 +487,19 @@ class DraDriver:
         if unmade:
             await self.instances.destroy(unmade, quiet=True)
         return outcomes
+
+    async def _persist_early(self) -> None:
+        """The checkpoint written alongside the specs; a failure is the caller's persist's to act on
+        (it writes again, and undoes the batch if that fails too)."""
+        with contextlib.suppress(CheckpointError):  # logged by persist
+            await self.prepared.persist()
+
+    def _unrecord(self, p: PendingClaim) -> None:
+        """Take a claim recorded before its spec was written out of memory again."""
+        if p.existing is not None:
+            self.prepared.record(p.existing)
+        else:
+            self.prepared.remove(p.ref.uid)
 
     def _why_missing(self, name: str) -> str:
         """Why a device name is not published now: its GPU is changing mode, or is published otherwise."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from agent.cdi.claimenv import ClaimDevices, share_key
 from agent.cdi.errors import CdiError
-from agent.cdi.names import check_claim_uid
+from agent.cdi.names import check_claim_uid, claim_device_name, qualified_name
 from agent.cdi.service import CdiProvider
 from agent.core.inventory.model import Inventory
 from agent.dra.claims.checkpoint import PreparedClaim
@@ -38,6 +38,23 @@ class ClaimSpecWriter:
         except CdiError as exc:
             written = dict.fromkeys(claims, exc)
         return {uid: written.get(uid, CdiError("the CDI service gave no answer for this claim")) for uid in claims}
+
+    def names(self, claims: Mapping[str, ClaimDevices]) -> dict[str, list[str]] | None:
+        """The qualified device names :meth:`write` will answer for each claim, before writing;
+        None when they cannot be known up front (CDI off, or a name CDI would refuse).
+
+        A claim's names are a pure function of the claim kind, its UID and its device keys
+        (``agent/cdi/names.py``), which is what lets the checkpoint be written while the specs are.
+        """
+        if self._cdi_root is None or not self._claim_kind:
+            return None
+        try:
+            return {
+                uid: [qualified_name(self._claim_kind, claim_device_name(uid, key)) for key in claim.devices]
+                for uid, claim in claims.items()
+            }
+        except CdiError:
+            return None
 
     async def remove(self, uids: Sequence[str]) -> Mapping[str, CdiError | None]:
         """Remove the claims' specs in one go: claim UID -> the error, None (or absent) when gone."""
