@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import shutil
 import ssl
 from collections.abc import AsyncIterator
@@ -15,12 +16,13 @@ import pytest
 from aiohttp import web
 from structlog.testing import capture_logs
 
+from agent.base.backoff import Backoff
 from agent.base.errors import ConfigError
 from agent.kube.access import in_cluster_access, kube_config_available, kubeconfig_access
 from agent.kube.client import KubeClient
 from agent.kube.errors import KubeConfigError, KubeError
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
-from agent.kube.listwatch import WatchTiming
+from agent.kube.listwatch import WATCH_BACKOFF, WatchTiming
 from tests.fake_apiserver import NODE, TIMEOUT, FakeApiServer, serving, write_kubeconfig
 from tests.fake_sleep import FakeSleep
 from tests.selfsigned import self_signed
@@ -52,8 +54,10 @@ async def kube(api: FakeApiServer, tmp_path: Path) -> AsyncIterator[KubeClient]:
         yield client
 
 
-def _source(kube: KubeClient, *, sleep: FakeSleep | None = None, **kwargs: Any) -> NodeLabelSource:
-    timing = WatchTiming(sleep=sleep or FakeSleep(), clock=lambda: 0.0)
+def _source(
+    kube: KubeClient, *, sleep: FakeSleep | None = None, backoff: Backoff = WATCH_BACKOFF, **kwargs: Any
+) -> NodeLabelSource:
+    timing = WatchTiming(backoff=backoff, sleep=sleep or FakeSleep(), clock=lambda: 0.0)
     return NodeLabelSource(kube, node_name=NODE, timing=timing, **kwargs)
 
 
@@ -358,7 +362,9 @@ async def test_forbidden_list_logs_once_keeps_labels_and_recovers(
     kube: KubeClient, api: FakeApiServer, tmp_path: Path
 ) -> None:
     sleep = FakeSleep()
-    source = _source(kube, sleep=sleep, static_labels={"extra": "1"})
+    # without jitter: with it, delays drawn from 0.5 to 1.5 times 1, 2 and 4 s are out of order 1 time in 16
+    no_jitter = dataclasses.replace(WATCH_BACKOFF, jitter=0.0)
+    source = _source(kube, sleep=sleep, backoff=no_jitter, static_labels={"extra": "1"})
     await source.fetch()
     api.fail(
         403,
