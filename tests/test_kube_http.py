@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.kube.access import ClusterAccess
+from agent.kube.client import KubeClient, Limits
+from agent.kube.errors import KubeError
 from agent.kube.http import (
     HEAD_BYTES,
     MAX_HEADERS,
@@ -244,23 +247,18 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None
         assert server.connections == 2 and len(server.requests) == 2
 
 
-def closes_on_second_request(server: Server) -> Handler:
+async def closes_on_second_request(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answer the first request of the first connection, then read the second and close unanswered."""
-
-    async def handler(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first_connection = server.connections == 1
-        while await server.read_request(reader):
-            if first_connection and len(server.requests) == 2:
-                return  # as if its idle timer fired while the request was on its way
-            writer.write(answer(b"ok"))
-            await writer.drain()
-
-    return handler
+    first_connection = server.connections == 1
+    while await server.read_request(reader):
+        if first_connection and len(server.requests) == 2:
+            return  # as if its idle timer fired while the request was on its way
+        writer.write(answer(b"ok"))
+        await writer.drain()
 
 
 async def test_an_idempotent_request_on_a_connection_closed_under_it_is_sent_again_once() -> None:
     async with serving(closes_on_second_request) as (server, pool):
-        server.handler = closes_on_second_request(server)
         assert await get(pool) == b"ok"
         assert await get(pool) == b"ok"
         assert server.connections == 2 and [r[0] for r in server.requests] == ["GET", "GET", "GET"]
@@ -268,7 +266,6 @@ async def test_an_idempotent_request_on_a_connection_closed_under_it_is_sent_aga
 
 async def test_a_post_on_a_connection_closed_under_it_is_not_sent_again() -> None:
     async with serving(closes_on_second_request) as (server, pool):
-        server.handler = closes_on_second_request(server)
         assert await get(pool, method="POST") == b"ok"
         with pytest.raises(ServerDisconnected):
             await get(pool, method="POST")
@@ -472,3 +469,27 @@ async def test_a_closed_pool_refuses_requests() -> None:
         await pool.close()
         with pytest.raises(PoolClosed):
             await get(pool)
+
+
+# --- through KubeClient: the messages its callers and metrics read ----------------------------
+
+
+async def test_the_client_names_a_connect_timeout_and_a_watch_that_never_answers() -> None:
+    async def silent(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    server = await Server(silent).start()
+    limits = Limits(connect_timeout_s=0.1, watch_idle_s=0.1)
+    tls = KubeClient(ClusterAccess(f"https://127.0.0.1:{server.port}", "test", insecure=True), limits=limits)
+    plain = KubeClient(ClusterAccess(server.url, "test"), limits=limits)
+    try:
+        with pytest.raises(KubeError, match=r"could not connect within 0\.1s \(timed out\)") as err:
+            await tls.get("/api/v1/nodes/n")
+        assert err.value.recoverable and err.value.status is None
+        with pytest.raises(KubeError, match=r"^watch http://127\.0\.0\.1:\d+/api/v1/nodes\?.*no answer within 0\.1s"):
+            async for _ in plain.watch("/api/v1/nodes", {"labelSelector": "a=b,c!=d"}):
+                pass
+    finally:
+        await tls.close()
+        await plain.close()
+        await server.stop()

@@ -232,7 +232,7 @@ class KubeClient:
             result = _result_of(exc)
             raise
         except (OSError, TimeoutError, ValueError, HttpError) as exc:
-            error = _connection_error(where, exc, total_s)
+            error = _connection_error(where, exc, self.limits.connect_timeout_s if _connecting(exc) else total_s)
             result = _result_of(error)
             raise error from exc
         finally:
@@ -452,5 +452,5 @@ def _connection_error(where: str, exc: BaseException, timeout_s: float | None) -
 
 
 def _connecting(exc: BaseException) -> bool:
-    """Whether a watch failed in its connect (then its message names the connect limit, not the idle one)."""
+    """Whether a request failed in its connect (then its message names the connect limit)."""
     return isinstance(exc, ConnectTimeout)
