@@ -264,6 +264,52 @@ async def test_an_idempotent_request_on_a_connection_closed_under_it_is_sent_aga
         assert server.connections == 2 and [r[0] for r in server.requests] == ["GET", "GET", "GET"]
 
 
+async def test_the_retry_goes_on_a_new_connection_not_another_idle_one() -> None:
+    in_flight = 0
+
+    async def two_then_close(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal in_flight
+        early = server.connections <= 2
+        served = 0
+
+        def both_at_the_server() -> bool:
+            return in_flight >= 2 or not early
+
+        while await server.read_request(reader):
+            if early and served == 1:
+                return  # both early connections are closed under the next request
+            in_flight += 1
+            await until(both_at_the_server, "both early requests at the server")
+            writer.write(answer(b"ok"))
+            await writer.drain()
+            served += 1
+
+    async with serving(two_then_close, max_connections=2) as (server, pool):
+        assert list(await asyncio.gather(get(pool), get(pool))) == [b"ok", b"ok"]
+        assert pool.idle_connections == 2
+        assert await get(pool) == b"ok"  # the most recent idle one is closed under it; the retry opens a third
+        assert server.connections == 3 and pool.open_connections == 2
+
+
+async def test_large_bodies_in_both_framings() -> None:
+    big = bytes(range(256)) * 4096  # 1 MiB: past the stream's buffer limit
+
+    async def handler(server: Server, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while request := await server.read_request(reader):
+            if request[1] == "/chunked":
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+            else:
+                writer.write(answer(big))
+            await writer.drain()
+
+    async with serving(handler) as (server, pool):
+        assert await get(pool, "/length", limit=len(big)) == big
+        assert await get(pool, "/length", limit=len(big), read_idle_s=WITHIN_S) == big
+        assert await get(pool, "/chunked", limit=len(big)) == big
+        assert server.connections == 1
+
+
 async def test_a_post_on_a_connection_closed_under_it_is_not_sent_again() -> None:
     async with serving(closes_on_second_request) as (server, pool):
         assert await get(pool, method="POST") == b"ok"

@@ -205,9 +205,10 @@ class Response:
         if self.content_length is not None:
             if self.content_length > limit:
                 raise BodyTooLarge(limit, self.content_length)
-            data = await self._wait(self._connection.reader.readexactly(self.content_length))
-            self.complete = True
-            return data
+            if self.read_idle_s is None:  # one read; the caller's deadline bounds it
+                data = await _within(None, self._connection.reader.readexactly(self.content_length))
+                self.complete = True
+                return data
         body = bytearray()
         async for piece in self.chunks():
             body += piece
@@ -443,7 +444,7 @@ class HttpPool:
         read to its end, and closes it otherwise."""
         payload = self._encode(method, target, headers or {}, body)
         for attempt in (1, 2):
-            connection = await self._checkout()
+            connection = await self._checkout(fresh=attempt > 1)
             try:
                 response = await self._exchange(connection, method, payload, read_idle_s)
             except _Stale as exc:
@@ -505,12 +506,19 @@ class HttpPool:
             connection, status, reason, headers, keep_alive=keep_alive, no_body=no_body, read_idle_s=read_idle_s
         )
 
-    async def _checkout(self) -> _Connection:
-        """An idle connection, or a new one when fewer than ``max_connections`` are open; else wait."""
+    async def _checkout(self, *, fresh: bool = False) -> _Connection:
+        """An idle connection, or a new one when fewer than ``max_connections`` are open; else wait.
+
+        ``fresh``: a new connection (for the retry after a reused one was found closed; others
+        idle as long may be closed too), closing the oldest idle one to make room if need be."""
         while True:
             if self._closed:
                 raise PoolClosed("the HTTP pool is closed")
-            while self._idle:
+            if fresh and self._idle and self._open >= self.max_connections:
+                oldest = self._idle.pop(0)
+                oldest.stop_idle()
+                self._drop(oldest)
+            while self._idle and not fresh:
                 connection = self._idle.pop()
                 connection.stop_idle()
                 if connection.usable():
