@@ -115,8 +115,6 @@ def install(path: str) -> None:
     """Wrap the prepare path's functions (imports the modules concerned); lines go to ``path``."""
     import logging
 
-    import aiohttp
-
     out = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 (open for the process's life)
 
     from agent.base import atomicfile
@@ -125,6 +123,7 @@ def install(path: str) -> None:
     from agent.dra.claims import checkpoint, driver, prepared, specwriter
     from agent.dra.kubelet import servicer
     from agent.kube import client as kube_client
+    from agent.kube import http as kube_http
     from agent.kube.claims import source
 
     servicer.DraPluginServicer.node_prepare_resources = _handler(  # type: ignore[method-assign]
@@ -134,7 +133,7 @@ def install(path: str) -> None:
     _wrap(driver.DraDriver, "_prepare_batch", "driver: whole batch")
     _wrap(driver.DraDriver, "_read_claim", "claim: read (GET + decode)")
     _wrap(kube_client.KubeClient, "_call", "claim: HTTP GET")
-    _wrap(aiohttp.TCPConnector, "_create_connection", "claim: HTTP GET: new connection (TCP, TLS)")
+    _wrap(kube_http.HttpPool, "_connect", "claim: HTTP GET: new connection (TCP, TLS)")
     _wrap(source, "parse_claim", "claim: decode JSON -> ResourceClaim")
     _wrap(driver, "plan_claim", "plan_claim")
     _wrap(specwriter.ClaimSpecWriter, "write", "CDI: awaited")

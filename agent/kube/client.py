@@ -1,8 +1,9 @@
-"""The Kubernetes API client: JSON requests and watch streams over one aiohttp connection pool.
+"""The Kubernetes API client: JSON requests and watch streams over one HTTP/1.1 connection pool.
 
 One :class:`KubeClient` serves the whole process (node labels, ResourceSlices, ResourceClaims,
 Events); the composition root opens it as an async context manager (``agent/kube/session.py``)
-and closes it at shutdown. The session is created on first use, inside the running loop.
+and closes it at shutdown. The pool (``agent/kube/http.py``, asyncio streams) is created on first
+use, inside the running loop.
 
 Every request is bounded (issue 10 §2: nothing the API server sends may exhaust memory or
 stall the loop):
@@ -32,10 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote, quote_plus
 
-from yarl import URL
-
-from agent.base.tlsimport import without_default_ca_bundle
 from agent.kube.access import (
     SERVICE_ACCOUNT_DIR,
     ClusterAccess,
@@ -45,10 +44,8 @@ from agent.kube.access import (
 )
 from agent.kube.auth import Credentials, credentials_for
 from agent.kube.errors import KubeConflictError, KubeError, KubeGoneError, KubeNotFoundError
+from agent.kube.http import BodyTooLarge, ConnectTimeout, HttpError, HttpPool, Response, TlsError
 from agent.kube.metrics import KubeMetrics
-
-with without_default_ca_bundle():  # aiohttp's own contexts are never used here (agent/base/tlsimport.py)
-    import aiohttp
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
@@ -81,7 +78,7 @@ class Limits:
     max_connections: int = 16
     #: bodies larger than this are decoded off the event loop
     thread_decode_bytes: int = 256 * 1024
-    #: an idle pooled connection is kept this long (aiohttp's default is 15 s). The API server
+    #: an idle pooled connection is kept this long (aiohttp's default was 15 s). The API server
     #: closes one after 90 s (k8s.io/apiserver pkg/server/secure_serving.go, IdleTimeout); each
     #: new one is a TLS handshake, and the claim reads of a NodePrepareResources run
     #: concurrently, one connection each: 8 handshakes cost 25 ms on the peers harness
@@ -103,8 +100,8 @@ class KubeClient:
         self.limits = limits or Limits()
         self._metrics = metrics or KubeMetrics()
         self._credentials = credentials or credentials_for(access)
-        self._ssl: ssl.SSLContext | bool = ssl_context(access) if access.server.startswith("https:") else True
-        self._session: aiohttp.ClientSession | None = None
+        self._ssl: ssl.SSLContext | None = ssl_context(access) if access.server.startswith("https:") else None
+        self._session: HttpPool | None = None
         self._closed = False
 
     @classmethod
@@ -140,17 +137,16 @@ class KubeClient:
             session, self._session = self._session, None
             await session.close()
 
-    def _pool(self) -> aiohttp.ClientSession:
+    def _pool(self) -> HttpPool:
         if self._closed:
             raise KubeError(f"{self.server}: the API client is closed")
         if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=self.limits.max_connections, keepalive_timeout=self.limits.keepalive_s
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                headers={"User-Agent": "gpu-node-agent", "Accept-Encoding": "identity"},
+            self._session = HttpPool(
+                self.server,
+                ssl_context=self._ssl,
+                max_connections=self.limits.max_connections,
+                keepalive_s=self.limits.keepalive_s,
+                connect_timeout_s=self.limits.connect_timeout_s,
             )
         return self._session
 
@@ -213,13 +209,11 @@ class KubeClient:
         timeout_s: float | None = None,
         max_bytes: int | None = None,
     ) -> dict[str, Any]:
-        url = URL(self.server + path).update_query(dict(params or {}))
+        target = _target(path, params)
         limit = max_bytes or self.limits.object_bytes
-        timeout = aiohttp.ClientTimeout(
-            total=timeout_s or self.limits.request_timeout_s, sock_connect=self.limits.connect_timeout_s
-        )
+        total_s = timeout_s or self.limits.request_timeout_s
         data = None if body is None else json.dumps(body).encode()
-        where = f"{method} {url}"
+        where = f"{method} {self.server}{target}"
         started = time.monotonic()
         result = "ok"
         try:
@@ -227,11 +221,9 @@ class KubeClient:
             if data is not None:
                 headers["Content-Type"] = content_type
             for attempt in (1, 2):
-                async with self._pool().request(
-                    method, url, data=data, headers=headers, ssl=self._ssl, timeout=timeout, allow_redirects=False
-                ) as resp:
+                async with asyncio.timeout(total_s), self._pool().request(method, target, headers, data) as resp:
                     if resp.status == 401 and attempt == 1 and await self._renewed(headers):
-                        continue
+                        continue  # the 401's body is left unread: its connection is closed
                     await _raise_for_status(where, resp)
                     raw = await _read_limited(where, resp, limit)
                 break
@@ -239,8 +231,8 @@ class KubeClient:
         except KubeError as exc:
             result = _result_of(exc)
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            error = _connection_error(where, exc, timeout.total)
+        except (OSError, TimeoutError, ValueError, HttpError) as exc:
+            error = _connection_error(where, exc, self.limits.connect_timeout_s if _connecting(exc) else total_s)
             result = _result_of(error)
             raise error from exc
         finally:
@@ -265,15 +257,14 @@ class KubeClient:
         """
         timeout_s = timeout_s or self.limits.watch_timeout_s
         query = {**(params or {}), "watch": "true", "timeoutSeconds": str(max(1, int(timeout_s)))}
-        url = URL(self.server + path).update_query(query)
-        where = f"watch {url}"
+        target = _target(path, query)
+        where = f"watch {self.server}{target}"
         idle = self.limits.watch_idle_s
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_timeout_s, sock_read=idle)
         started = time.monotonic()
         opened = False
         try:
             headers = await self._headers(accept)
-            async with self._pool().get(url, headers=headers, ssl=self._ssl, timeout=timeout) as resp:
+            async with self._pool().request("GET", target, headers, read_idle_s=idle) as resp:
                 if resp.status == 401 and await self._renewed(headers):
                     raise KubeError(f"{where}: 401 Unauthorized (credentials renewed; retry)", recoverable=True)
                 await _raise_for_status(where, resp)
@@ -287,8 +278,8 @@ class KubeClient:
             if not opened:
                 self._metrics.observe("watch", resource_of(path), _result_of(exc), time.monotonic() - started)
             raise
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            error = _connection_error(where, exc, idle if opened else timeout.sock_connect)
+        except (OSError, TimeoutError, ValueError, HttpError) as exc:
+            error = _connection_error(where, exc, self.limits.connect_timeout_s if _connecting(exc) else idle)
             if not opened:
                 self._metrics.observe("watch", resource_of(path), _result_of(error), time.monotonic() - started)
             raise error from exc
@@ -357,24 +348,37 @@ def _loads(where: str, raw: bytes) -> Any:
         raise KubeError(f"{where}: undecodable JSON: {_cut(str(exc))}", recoverable=True) from exc
 
 
-async def _read_limited(where: str, resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    length = resp.content_length
-    if length is not None and length > limit:
-        resp.close()
-        raise KubeError(f"{where}: response of {length} bytes is over the limit of {limit} bytes", recoverable=True)
-    data = bytearray()
-    async for chunk in resp.content.iter_chunked(64 * 1024):
-        data += chunk
-        if len(data) > limit:
-            resp.close()
-            raise KubeError(f"{where}: response is over the limit of {limit} bytes; stopped reading", recoverable=True)
-    return bytes(data)
+def _target(path: str, params: Mapping[str, str] | None) -> str:
+    """Path and query as sent: characters a path may not hold escaped (``%`` escapes kept), query
+    values form-encoded (RFC 3986 section 3.3 and 3.4)."""
+    target = quote(path, safe="/%:@!$&'()*+,;=~")
+    if params:
+        query = "&".join(
+            f"{quote_plus(k, safe=_QUERY_SAFE)}={quote_plus(v, safe=_QUERY_SAFE)}" for k, v in params.items()
+        )
+        target += ("&" if "?" in target else "?") + query
+    return target
 
 
-async def _lines(where: str, resp: aiohttp.ClientResponse, limit: int) -> AsyncGenerator[bytes, None]:
+#: left as they are in query keys and values (what yarl, the URL library used before, left)
+_QUERY_SAFE = "!$'()*,/:;?@~"
+
+
+async def _read_limited(where: str, resp: Response, limit: int) -> bytes:
+    try:
+        return await resp.read(limit)
+    except BodyTooLarge as exc:
+        if exc.declared is not None:
+            text = f"{where}: response of {exc.declared} bytes is over the limit of {limit} bytes"
+        else:
+            text = f"{where}: response is over the limit of {limit} bytes; stopped reading"
+        raise KubeError(text, recoverable=True) from exc
+
+
+async def _lines(where: str, resp: Response, limit: int) -> AsyncGenerator[bytes, None]:
     """Newline-separated lines of a watch stream, each at most ``limit`` bytes."""
     buffer = bytearray()
-    async for chunk in resp.content.iter_any():
+    async for chunk in resp.chunks():
         start = len(buffer)
         buffer += chunk
         while (end := buffer.find(b"\n", start)) >= 0:
@@ -386,18 +390,17 @@ async def _lines(where: str, resp: aiohttp.ClientResponse, limit: int) -> AsyncG
             if line.strip():
                 yield line
         if len(buffer) > limit:
-            resp.close()
             raise KubeError(f"{where}: event longer than {limit} bytes", recoverable=True)
     if bytes(buffer).strip():
         yield bytes(buffer)
 
 
-async def _raise_for_status(where: str, resp: aiohttp.ClientResponse) -> None:
+async def _raise_for_status(where: str, resp: Response) -> None:
     if resp.status < 400:
         return
     text = ""
-    with contextlib.suppress(aiohttp.ClientError, ValueError, TimeoutError):
-        text = (await resp.content.read(ERROR_BODY_BYTES)).decode(errors="replace")
+    with contextlib.suppress(OSError, ValueError, TimeoutError, HttpError):
+        text = (await resp.read_some(ERROR_BODY_BYTES)).decode(errors="replace")
     status = _status_of(text)
     message = str(status.get("message") or "") if status else text
     line = f"{where}: {resp.status} {resp.reason or ''}".rstrip()
@@ -441,9 +444,13 @@ def _result_of(exc: KubeError) -> str:
 def _connection_error(where: str, exc: BaseException, timeout_s: float | None) -> KubeError:
     if isinstance(exc, TimeoutError):
         within = f" within {timeout_s:g}s" if timeout_s else ""
-        kind = "could not connect" if isinstance(exc, aiohttp.ConnectionTimeoutError) else "no answer"
+        kind = "could not connect" if isinstance(exc, ConnectTimeout) else "no answer"
         return KubeError(f"{where}: {kind}{within} (timed out)", recoverable=True)
     detail = str(exc) or type(exc).__name__
     # a certificate the server will keep presenting is not fixed by retrying
-    tls = isinstance(exc, aiohttp.ClientConnectorCertificateError | aiohttp.ClientSSLError)
-    return KubeError(f"{where}: {type(exc).__name__}: {_cut(detail)}", recoverable=not tls)
+    return KubeError(f"{where}: {type(exc).__name__}: {_cut(detail)}", recoverable=not isinstance(exc, TlsError))
+
+
+def _connecting(exc: BaseException) -> bool:
+    """Whether a request failed in its connect (then its message names the connect limit)."""
+    return isinstance(exc, ConnectTimeout)

@@ -1,8 +1,9 @@
 """Phase 2 of the composition root: the API client, DRA, the observers, the agent, the debug endpoint.
 
 ``agent/runtime/app.py`` imports this module in a worker thread while the device plugin
-registers: its imports are exactly what only phase 2 needs (aiohttp, the API client, DRA,
-observability), so loading it is loading them, off the loop. :func:`build_agent` is also how
+registers: its imports are exactly what only phase 2 needs (the API client with its own HTTP
+pool, DRA, observability with the debug endpoint's aiohttp), so loading it is loading them, off
+the loop. :func:`build_agent` is also how
 tests assemble an :class:`~agent.runtime.agent.Agent`: one place builds the handover, the
 collectors and the loop-lag probe.
 """
