@@ -58,8 +58,6 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS.get(level, logging.INFO))
-    # aiohttp's access log is noise for a local debug endpoint
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def set_level(level: str) -> None:
