@@ -4,12 +4,13 @@ aiohttp builds two client SSL contexts when ``aiohttp.connector`` is imported
 (``_SSL_CONTEXT_VERIFIED`` and ``_SSL_CONTEXT_UNVERIFIED``, aiohttp 3.14 ``aiohttp/connector.py``),
 and each loads the system's CA bundle: about 2 MiB of resident memory and 100-200 ms of CPU at
 start-up on a small node. The agent never uses them: every https request it makes passes the
-context built from the cluster's CA (``agent/kube/access.py``), and the debug server is plain HTTP.
+context built from the cluster's CA (``agent/kube/access.py``).
 
-:func:`without_default_ca_bundle` is entered around the ``import aiohttp`` of the two modules that
-use aiohttp. While it is entered, ``ssl.create_default_context()`` without CA arguments and
-``SSLContext.set_default_verify_paths()`` load no certificates. A context made meanwhile verifies
-against nothing, so a request that relied on it would fail verification: closed, never open.
+:func:`without_default_ca_bundle` is entered around the ``import aiohttp`` of the API client
+(``agent/kube/client.py``), the one module that uses aiohttp. While it is entered,
+``ssl.create_default_context()`` without CA arguments and ``SSLContext.set_default_verify_paths()``
+load no certificates. A context made meanwhile verifies against nothing, so a request that relied
+on it would fail verification: closed, never open.
 """
 
 from __future__ import annotations
