@@ -389,3 +389,10 @@ def test_limits_keep_or_tighten_the_documented_bounds() -> None:
     assert (limits.max_line_bytes, limits.max_header_bytes, limits.max_headers) == (8190, 8190, 32)
     assert (limits.max_head_bytes, limits.max_requests_per_connection) == (16 * 1024, 100)
     assert (limits.linger_s, limits.shutdown_timeout_s, limits.body_timeout_s) == (1.0, 1.0, 5.0)
+
+
+def test_the_503_reaches_the_client_under_uvloop() -> None:
+    """The agent runs on uvloop, whose transports are not ``asyncio.WriteTransport``: the refusal
+    was checked against that class and silently dropped there (the client saw a bare close)."""
+    uvloop = pytest.importorskip("uvloop")
+    uvloop.run(test_the_connection_cap_refuses_with_503_when_all_are_busy())
