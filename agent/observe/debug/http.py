@@ -354,6 +354,7 @@ class HttpServer:
                 except TimeoutError:
                     return  # silent or trickling: closed without a word, as any idle connection
                 except HttpError as exc:
+                    connection.answering = False  # lingering, it may make room for another
                     await self._refuse(reader, writer, exc)
                     return
                 response = await self._answer(request)
