@@ -9,7 +9,8 @@ from prometheus_client import CollectorRegistry, Counter
 from agent.base.errors import AgentError, DeviceNotFoundError, StartupError
 from agent.core.health.model import Signal, SignalKind
 from agent.core.mechanism import Readiness
-from agent.observe.debug.server import DebugContext, build_app, serve_debug
+from agent.observe.debug.server import DebugContext, serve_debug
+from tests.conftest import DebugClient
 
 
 class FakeSim:
@@ -38,8 +39,8 @@ def _context(ready: dict[str, Readiness] | None = None, sim: FakeSim | None = No
     )
 
 
-async def test_probes_metrics_and_state(aiohttp_client: Any) -> None:
-    client = await aiohttp_client(build_app(_context()))
+async def test_probes_metrics_and_state(debug_client: DebugClient) -> None:
+    client = await debug_client(_context())
     assert (await client.get("/healthz")).status == 200
     resp = await client.get("/readyz")
     assert resp.status == 200
@@ -50,21 +51,21 @@ async def test_probes_metrics_and_state(aiohttp_client: Any) -> None:
     assert state["config"]["version"] == "v"
 
 
-async def test_readyz_reports_failing_checks(aiohttp_client: Any) -> None:
+async def test_readyz_reports_failing_checks(debug_client: DebugClient) -> None:
     checks = {
         "inventory": Readiness(True),
         "device-plugin": Readiness(False, "not registered"),
         "cdi": Readiness(True, "a note"),
     }
-    client = await aiohttp_client(build_app(_context(checks)))
+    client = await debug_client(_context(checks))
     resp = await client.get("/readyz")
     assert resp.status == 503
     body = await resp.json()
     assert body["checks"] == {"inventory": "ok", "device-plugin": "not registered", "cdi": "a note"}
 
 
-async def test_simulated_route_absent_without_simulated_backend(aiohttp_client: Any) -> None:
-    client = await aiohttp_client(build_app(_context()))
+async def test_simulated_route_absent_without_simulated_backend(debug_client: DebugClient) -> None:
+    client = await debug_client(_context())
     resp = await client.post("/debug/simulated/health", json={"device": "0", "healthy": False})
     assert resp.status == 404
 
@@ -80,16 +81,18 @@ async def test_simulated_route_absent_without_simulated_backend(aiohttp_client: 
         ({"device": "early", "healthy": False}, 409, "health monitor not running"),
     ],
 )
-async def test_simulated_health_rejects_bad_requests(aiohttp_client: Any, body: Any, status: int, error: str) -> None:
-    client = await aiohttp_client(build_app(_context(sim=FakeSim())))
+async def test_simulated_health_rejects_bad_requests(
+    debug_client: DebugClient, body: Any, status: int, error: str
+) -> None:
+    client = await debug_client(_context(sim=FakeSim()))
     resp = await client.post("/debug/simulated/health", json=body)
     assert resp.status == status
     assert error in (await resp.json())["error"]
 
 
-async def test_simulated_health_injects(aiohttp_client: Any) -> None:
+async def test_simulated_health_injects(debug_client: DebugClient) -> None:
     sim = FakeSim()
-    client = await aiohttp_client(build_app(_context(sim=sim)))
+    client = await debug_client(_context(sim=sim))
     resp = await client.post("/debug/simulated/health", json={"device": 0, "healthy": False, "xid": 79})
     assert resp.status == 200
     assert (await resp.json()) == {"device": "GPU-0", "signal": "xid", "xid": 79}
@@ -113,8 +116,8 @@ async def test_serve_on_port_zero_reports_the_bound_port() -> None:
         assert port > 0
 
 
-async def test_absurd_bodies_are_400_not_500(aiohttp_client: Any) -> None:
-    client = await aiohttp_client(build_app(_context(sim=FakeSim())))
+async def test_absurd_bodies_are_400_not_500(debug_client: DebugClient) -> None:
+    client = await debug_client(_context(sim=FakeSim()))
     resp = await client.post("/debug/simulated/health", data=b"[" * 30_000 + b"]" * 30_000)
     assert resp.status == 400
     resp = await client.post("/debug/simulated/health", data=b"[" * 100_000 + b"]" * 100_000)

@@ -19,7 +19,8 @@ from agent.core.health.model import SignalKind
 from agent.core.inventory.model import MigPlacement
 from agent.core.mechanism import Readiness
 from agent.core.partitioning import PartitionError, PartitionErrorKind
-from agent.observe.debug.server import DebugContext, build_app
+from agent.observe.debug.server import DebugContext
+from tests.conftest import DebugClient
 
 FAST = HealthConfig(check_interval_s=3600)
 UUID = re.compile(r"^MIG-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -217,7 +218,7 @@ async def test_injected_failures_hit_the_next_calls_only() -> None:
         ([1, 2], 400, "JSON object"),
     ],
 )
-async def test_the_debug_hook(aiohttp_client: Any, body: Any, status: int, words: str) -> None:
+async def test_the_debug_hook(debug_client: DebugClient, body: Any, status: int, words: str) -> None:
     backend = make()
     context = DebugContext(
         state=dict,
@@ -226,7 +227,7 @@ async def test_the_debug_hook(aiohttp_client: Any, body: Any, status: int, words
         registry=CollectorRegistry(),
         simulated=backend,
     )
-    client = await aiohttp_client(build_app(context))
+    client = await debug_client(context)
     response = await client.post("/debug/simulated/mig", json=body)
     assert response.status == status
     assert words in await response.text()

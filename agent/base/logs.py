@@ -1,6 +1,6 @@
 """structlog, configured once: JSON lines off a terminal, readable console output on one.
 
-Standard-library loggers (aiohttp, grpclib, asyncio) are bridged into the same output so
+Standard-library loggers (grpclib, asyncio) are bridged into the same output so
 that one process writes one format. A structlog call below the level in force costs one level
 check (``filter_by_level`` comes first), not the processor chain; hot paths that would build
 their event's fields guard with :func:`debug_enabled`.
@@ -58,8 +58,6 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(_LEVELS.get(level, logging.INFO))
-    # aiohttp's access log is noise for a local debug endpoint
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def set_level(level: str) -> None:

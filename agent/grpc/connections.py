@@ -85,8 +85,10 @@ class CappedProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.last_active = asyncio.get_running_loop().time()
         if not self._cap.admit(self):
-            if self._cap.refusal and isinstance(transport, asyncio.WriteTransport):
-                transport.write(self._cap.refusal)
+            # uvloop's transports are not asyncio.WriteTransport subclasses: ask for write itself
+            write = getattr(transport, "write", None)
+            if self._cap.refusal and callable(write):
+                write(self._cap.refusal)
             transport.close()
             return
         self.admitted = True

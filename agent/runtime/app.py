@@ -10,7 +10,7 @@ Start-up, in two phases (undone in reverse by the exit stack):
    GPU waits for the handover, and the first ListAndWatch answer waits (bounded) for its first
    decision rather than tell the kubelet "no GPUs";
 2. meanwhile the modules only the rest needs (the API client, DRA, observability with the debug
-   endpoint's aiohttp) load in a worker thread; then the API client, DRA (its checkpoint loaded before CDI reconciles),
+   endpoint) load in a worker thread; then the API client, DRA (its checkpoint loaded before CDI reconciles),
    the observers, the handover's first grants and the debug endpoint, then every other root
    task. The debug endpoint listens before anything talks to the API server, so liveness and
    readiness answer at once whatever that peer does. When ownership rules match on labels, the

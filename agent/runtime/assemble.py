@@ -2,10 +2,9 @@
 
 ``agent/runtime/app.py`` imports this module in a worker thread while the device plugin
 registers: its imports are exactly what only phase 2 needs (the API client with its own HTTP
-pool, DRA, observability with the debug endpoint's aiohttp), so loading it is loading them, off
-the loop. :func:`build_agent` is also how
-tests assemble an :class:`~agent.runtime.agent.Agent`: one place builds the handover, the
-collectors and the loop-lag probe.
+pool, DRA, observability with the debug endpoint), so loading it is loading them, off the loop.
+:func:`build_agent` is also how tests assemble an :class:`~agent.runtime.agent.Agent`: one place
+builds the handover, the collectors and the loop-lag probe.
 """
 
 from __future__ import annotations

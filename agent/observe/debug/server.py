@@ -1,22 +1,22 @@
-"""aiohttp debug endpoint: /healthz, /readyz, /metrics, /debug/state, and the simulated backend's hooks.
+"""The debug endpoint: /healthz, /readyz, /metrics, /debug/state, and the simulated backend's hooks.
 
-Handlers reach the agent only through the :class:`DebugContext` stored under a typed
-``web.AppKey``; they never import the components themselves.
+Handlers reach the agent only through the :class:`DebugContext` they are bound to; they never
+import the components themselves. The HTTP is :mod:`agent.observe.debug.http` (asyncio streams,
+no aiohttp: about 8 MiB less resident memory).
 
 What a client can make it do is bounded by :class:`HttpLimits`: request line and headers (sizes
-and count), the body (``client_max_size``: 413 past it), the time a body may take to arrive, how
-long a connection may sit without a complete request (1,000 half-sent requests used to stay open
-for an hour each), and how many connections are open at once (a new one displaces the quietest
-idle one, so a flood of silent connections never locks out a probe; 503 only when every open
-connection is answering a request).
+and count), the body (413 past it, refused by its ``Content-Length`` before any of it is read),
+the time a body may take to arrive, how long a connection may sit without a complete request
+(1,000 half-sent requests used to stay open for an hour each), and how many connections are open
+at once (a new one displaces the quietest idle one, so a flood of silent connections never locks
+out a probe; 503 only when every open connection is answering a request).
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,14 +25,20 @@ import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from agent.base.errors import AgentError, DeviceNotFoundError, StartupError
-from agent.base.tlsimport import without_default_ca_bundle
 from agent.core.health.model import Signal
 from agent.core.mechanism import Readiness
-from agent.grpc.connections import CappedProtocol, ConnectionCap
+from agent.observe.debug.http import (
+    Handler,
+    HttpLimits,
+    HttpServer,
+    Request,
+    Response,
+    Routes,
+    json_response,
+    text_response,
+)
 
-with without_default_ca_bundle():  # see agent/base/tlsimport.py
-    from aiohttp import web
-    from aiohttp.typedefs import Handler
+__all__ = ["DebugContext", "HttpLimits", "SimulatedControl", "build_routes", "serve_debug"]
 
 log = structlog.get_logger("agent.debug")
 
@@ -58,38 +64,15 @@ class DebugContext:
     simulated: SimulatedControl | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class HttpLimits:
-    #: the only body is the simulated-health JSON, a few dozen bytes
-    max_body_bytes: int = 64 * 1024
-    body_timeout_s: float = 5.0
-    #: a connection without a complete request (silent, half-sent, idle keep-alive) is closed
-    idle_timeout_s: float = 15.0
-    #: probes, a Prometheus scrape and a person with curl need a handful
-    max_connections: int = 64
-    max_line_bytes: int = 8190
-    max_header_bytes: int = 8190
-    max_headers: int = 32
-
-
-CONTEXT = web.AppKey("context", DebugContext)
-LIMITS = web.AppKey("limits", HttpLimits)
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 25\r\n"
-    b"Connection: close\r\n\r\ntoo many open connections"
-)
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=False, default=str)
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.Response(text="ok\n")
+async def healthz(context: DebugContext, request: Request) -> Response:
+    return text_response("ok\n")
 
 
-async def readyz(request: web.Request) -> web.Response:
-    context = request.app[CONTEXT]
+async def readyz(context: DebugContext, request: Request) -> Response:
     checks = context.readiness()
     ready = all(check.ok for check in checks.values())
     body = {
@@ -97,34 +80,32 @@ async def readyz(request: web.Request) -> web.Response:
         "status": context.status(),
         "checks": {name: c.detail or ("ok" if c.ok else "not ready") for name, c in checks.items()},
     }
-    return web.json_response(body, status=200 if ready else 503, dumps=_dumps)
+    return json_response(body, status=200 if ready else 503, dumps=_dumps)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    payload = generate_latest(request.app[CONTEXT].registry)
-    return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})
+async def metrics(context: DebugContext, request: Request) -> Response:
+    return Response(200, generate_latest(context.registry), CONTENT_TYPE_LATEST)
 
 
-async def debug_state(request: web.Request) -> web.Response:
-    return web.json_response(request.app[CONTEXT].state(), dumps=_dumps)
+async def debug_state(context: DebugContext, request: Request) -> Response:
+    return json_response(context.state(), dumps=_dumps)
 
 
-def _bad_request(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+def _bad_request(message: str) -> Response:
+    return json_response({"error": message}, status=400)
 
 
 async def _simulated_request(
-    request: web.Request, example: str
-) -> tuple[SimulatedControl, dict[str, Any]] | web.Response:
+    context: DebugContext, request: Request, example: str
+) -> tuple[SimulatedControl, dict[str, Any]] | Response:
     """The simulated backend's hooks and the request's JSON object, or the error response to send."""
-    control = request.app[CONTEXT].simulated
+    control = context.simulated
     if control is None:  # pragma: no cover - the routes are only added with a control
-        raise web.HTTPNotFound()
+        return text_response("404: Not Found", 404)
     try:
-        async with asyncio.timeout(request.app[LIMITS].body_timeout_s):
-            body = await request.json()
+        body = await request.json()  # the body's size and time are bounded by the server
     except TimeoutError:
-        return web.json_response({"error": "request body not received in time"}, status=408)
+        return json_response({"error": "request body not received in time"}, status=408)
     except (ValueError, RecursionError):
         return _bad_request(f"body must be JSON like {example}")
     if not isinstance(body, dict):
@@ -132,9 +113,9 @@ async def _simulated_request(
     return control, body
 
 
-async def simulated_health(request: web.Request) -> web.Response:
-    got = await _simulated_request(request, '{"device": "0", "healthy": false, "xid": 79}')
-    if isinstance(got, web.Response):
+async def simulated_health(context: DebugContext, request: Request) -> Response:
+    got = await _simulated_request(context, request, '{"device": "0", "healthy": false, "xid": 79}')
+    if isinstance(got, Response):
         return got
     control, body = got
     device, healthy, xid = body.get("device"), body.get("healthy"), body.get("xid")
@@ -149,18 +130,19 @@ async def simulated_health(request: web.Request) -> web.Response:
     try:
         signal = control.inject(device, healthy=healthy, xid=xid)
     except DeviceNotFoundError as exc:
-        return web.json_response({"error": str(exc)}, status=404)
+        return json_response({"error": str(exc)}, status=404)
     except AgentError as exc:
-        return web.json_response({"error": str(exc)}, status=409)
+        return json_response({"error": str(exc)}, status=409)
     log.info("simulated health injected", uuid=signal.uuid, healthy=healthy, xid=xid)
-    return web.json_response({"device": signal.uuid, "signal": signal.kind.value, "xid": signal.xid})
+    return json_response({"device": signal.uuid, "signal": signal.kind.value, "xid": signal.xid})
 
 
-async def simulated_mig(request: web.Request) -> web.Response:
+async def simulated_mig(context: DebugContext, request: Request) -> Response:
     """``{"op": "create"|"destroy", "kind": "<PartitionErrorKind>", "device": "<GPU>", "count": N}``:
     the next ``count`` such MIG operations (on that GPU; any GPU without ``device``) fail."""
-    got = await _simulated_request(request, '{"op": "create", "kind": "insufficient-resources", "device": "0"}')
-    if isinstance(got, web.Response):
+    example = '{"op": "create", "kind": "insufficient-resources", "device": "0"}'
+    got = await _simulated_request(context, request, example)
+    if isinstance(got, Response):
         return got
     control, body = got
     op, kind, device, count = body.get("op"), body.get("kind"), body.get("device", None), body.get("count", 1)
@@ -175,64 +157,34 @@ async def simulated_mig(request: web.Request) -> web.Response:
     try:
         answer = control.inject_mig_failure(op, kind, device=device, count=count)
     except DeviceNotFoundError as exc:
-        return web.json_response({"error": str(exc)}, status=404)
+        return json_response({"error": str(exc)}, status=404)
     except ValueError as exc:
         return _bad_request(str(exc))
-    return web.json_response(answer)
+    return json_response(answer)
 
 
-@web.middleware
-async def _declared_size(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A body announced larger than the limit is refused before any of it is read."""
-    limit = request.app[LIMITS].max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
-    return await handler(request)
+_Bound = Callable[[DebugContext, Request], Awaitable[Response]]
 
 
-def build_app(context: DebugContext, limits: HttpLimits | None = None) -> web.Application:
-    limits = limits or HttpLimits()
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[_declared_size])
-    app[CONTEXT] = context
-    app[LIMITS] = limits
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/debug/state", debug_state)
+def build_routes(context: DebugContext) -> Routes:
+    """Path -> method -> handler bound to ``context``; the simulated hooks only with a control."""
+
+    def bind(handler: _Bound) -> Handler:
+        async def bound(request: Request) -> Response:
+            return await handler(context, request)
+
+        return bound
+
+    routes: dict[str, dict[str, Handler]] = {
+        "/healthz": {"GET": bind(healthz)},
+        "/readyz": {"GET": bind(readyz)},
+        "/metrics": {"GET": bind(metrics)},
+        "/debug/state": {"GET": bind(debug_state)},
+    }
     if context.simulated is not None:
-        app.router.add_post("/debug/simulated/health", simulated_health)
-        app.router.add_post("/debug/simulated/mig", simulated_mig)
-    return app
-
-
-class _HttpConnection(CappedProtocol):
-    def busy(self) -> bool:
-        # aiohttp's handler holds the request it is answering (no public accessor)
-        return self.admitted and getattr(self._inner, "_current_request", None) is not None
-
-
-class _Site(web.BaseSite):
-    """A TCP site whose connections are capped (aiohttp's own TCPSite accepts any number)."""
-
-    def __init__(self, runner: web.AppRunner, host: str, port: int, cap: ConnectionCap) -> None:
-        super().__init__(runner)
-        self._host, self._port, self._cap = host, port, cap
-
-    @property
-    def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
-
-    async def start(self) -> None:
-        await super().start()
-        server = self._runner.server
-        assert server is not None
-        self._server = await asyncio.get_running_loop().create_server(
-            lambda: _HttpConnection(server(), self._cap), self._host, self._port, reuse_address=True
-        )
-
-    def bound_port(self) -> int:
-        sockets = getattr(self._server, "sockets", None) or ()
-        return int(sockets[0].getsockname()[1]) if sockets else self._port
+        routes["/debug/simulated/health"] = {"POST": bind(simulated_health)}
+        routes["/debug/simulated/mig"] = {"POST": bind(simulated_mig)}
+    return routes
 
 
 @asynccontextmanager
@@ -240,30 +192,14 @@ async def serve_debug(
     context: DebugContext, host: str, port: int, limits: HttpLimits | None = None
 ) -> AsyncIterator[int]:
     """Serve until the context exits; yields the bound port (useful with port 0)."""
-    limits = limits or HttpLimits()
-    runner = web.AppRunner(
-        build_app(context, limits),
-        access_log=None,
-        handle_signals=False,
-        keepalive_timeout=limits.idle_timeout_s,
-        max_line_size=limits.max_line_bytes,
-        max_field_size=limits.max_header_bytes,
-        max_headers=limits.max_headers,
-        # after an early answer (413, 408) the rest of a body is drained this long, not 10 s
-        lingering_time=1.0,
-        # open requests get this long at shutdown, well inside the agent's own deadline
-        shutdown_timeout=1.0,
-    )
-    await runner.setup()
+    server = HttpServer(build_routes(context), limits or HttpLimits(), name="debug")
     try:
-        site = _Site(runner, host, port, ConnectionCap(limits.max_connections, name="debug", refusal=_BUSY))
         try:
-            await site.start()
+            bound = await server.start(host, port)
         except OSError as exc:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise StartupError(f"debug endpoint cannot listen on {host}:{port}: {reason}") from exc
-        bound = site.bound_port()
         log.info("debug endpoint listening", addr=f"{host}:{bound}")
         yield bound
     finally:
-        await runner.cleanup()
+        await server.close()
