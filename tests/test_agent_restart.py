@@ -152,6 +152,8 @@ async def test_a_restart_offers_the_gpus_before_anyone_answered(node: Node) -> N
         await asyncio.to_thread(agent.wait_ready)
         record = agent.state_dir / RECORD_FILE
         await wait_for(lambda: record.exists() and len(json.loads(record.read_text())["device_plugin"]) == 7)
+        # and the kubelet has them in its checkpoint, the second witness (written with each message)
+        await wait_for(lambda: (c := newest_client(node.kubelet)) is not None and c.counts[-1] == 7, what="7 listed")
         agent.kill()
         api.hang(times=None)
         current = node.kubelet.current
