@@ -12,6 +12,14 @@ def main() -> None:
     traceback. ``import agent`` itself (structlog, ~50 ms) comes before this function can run.
     """
     try:
+        if sys.argv[1:2] == ["run"]:  # the agent itself: no command-line library (agent/cli/run.py)
+            import os
+
+            from agent.cli.run import parse_run_args, run_command
+
+            values = parse_run_args(sys.argv[2:], os.environ)
+            if values is not None:
+                sys.exit(run_command(values))
         from agent.cli.main import main as cli_main
 
         cli_main()

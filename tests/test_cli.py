@@ -166,7 +166,7 @@ async def test_a_signal_during_start_up_unwinds_it_and_exits_cleanly(monkeypatch
     import signal
 
     import agent.runtime.app
-    from agent.cli.main import _run
+    from agent.cli.run import _run
 
     unwound = asyncio.Event()
     starting = asyncio.Event()
@@ -208,7 +208,7 @@ main()
 @pytest.mark.parametrize(
     "module",
     [
-        "typer",  # the command line's own modules
+        "agent.cli.run",  # the command line of ``run`` (it loads no typer: agent/cli/run.py)
         "agent.runtime.app",  # inside ``run``, before it has taken SIGINT over
         "uvloop",  # choosing the event loop
     ],

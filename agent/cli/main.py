@@ -12,9 +12,6 @@ import asyncio
 import contextlib
 import importlib
 import json
-import logging
-import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,22 +26,16 @@ from agent.base.errors import AgentError, ConfigError
 from agent.base.logs import configure_logging
 from agent.cli.cdi import cdi_app
 from agent.cli.options import DriverRootOpt, HostDriverRootOpt
+from agent.cli.run import PROG, collect_overrides, error_line, run_command
 from agent.core.config.check import check_preset_flag
 from agent.core.config.loader import build_config, env_overrides, load_config, read_document
-from agent.runtime import eventloop
 
 if TYPE_CHECKING:
     from agent.core.config.schema import Config
     from agent.core.inventory.model import Inventory
 
-PROG = "gpu-agent"
-
 #: the click that typer runs on (recent typer releases vendor their own copy)
 _click_errors: Any = importlib.import_module(typer.BadParameter.__module__)
-
-
-def error_line(message: str) -> str:
-    return f"{PROG}: error: {message}"
 
 
 class OneLineErrors(TyperGroup):
@@ -124,17 +115,6 @@ PresetOpt = Annotated[str | None, typer.Option("--preset", help="Simulated node:
 NodeNameOpt = Annotated[str | None, typer.Option("--node-name", help="This node's name (default: $NODE_NAME).")]
 
 
-def collect_overrides(**flags: Any) -> dict[str, Any]:
-    """Environment overrides, then flags over them (flags win). ``None`` means "not given"."""
-    overrides: dict[str, Any] = env_overrides()
-    if flags.pop("simulated", False):
-        overrides["backend"] = "simulated"
-    for dotted, value in flags.items():
-        if value is not None:
-            overrides[dotted.replace("__", ".")] = str(value) if isinstance(value, Path) else value
-    return overrides
-
-
 def _parse_labels(labels: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in labels:
@@ -174,95 +154,23 @@ def run(
     log_level: Annotated[str | None, typer.Option(help="debug | info | warning | error.")] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT."""
-    from agent.runtime.phase1 import RunOptions
-
-    overrides = collect_overrides(
-        backend=backend,
-        simulated=simulated,
-        preset=preset,
-        node_name=node_name,
-        paths__kubelet_root=kubelet_root,
-        paths__device_plugins_dir=device_plugins_dir,
-        paths__cdi_root=cdi_root,
-        paths__state_dir=state_dir,
-        paths__driver_root=driver_root,
-        paths__host_driver_root=host_driver_root,
-        debug_addr=debug_addr,
-        kubeconfig=kubeconfig,
-        log_level=log_level,
-    )
-    configure_logging(str(overrides.get("log_level", "info")))
-    options = RunOptions(config_path=config, overrides=overrides)
-    with user_errors():
-        if preset is not None:
-            check_preset_flag(preset, load_config(config, overrides).config)
-        loop = eventloop.chosen()
-        code = eventloop.run(_run(options), loop=loop)
-    raise typer.Exit(code)
-
-
-async def _run(options: Any) -> int:
-    """Run the agent under signal handling; 0 after a requested stop.
-
-    A signal during start-up (NVML initialising, the first CDI spec, the API server) cancels the
-    start-up, which unwinds what was built so far; once the agent runs, a signal sets ``stop``
-    and the supervisor shuts down in order.
-    """
-    from agent.runtime.app import SHUTDOWN_TIMEOUT_S, run_agent
-
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals_seen: list[str] = []
-    running = False
-    deadline: list[asyncio.TimerHandle] = []
-
-    def on_running(_agent: object) -> None:
-        nonlocal running
-        running = True
-
-    agent_task = asyncio.create_task(run_agent(options, stop=stop, on_agent=on_running), name="agent")
-
-    def on_signal(signum: int) -> None:
-        name = signal.Signals(signum).name
-        signals_seen.append(name)
-        if len(signals_seen) > 1:
-            log.warning("second signal, exiting at once", signal=name)
-            os._exit(1)
-        log.info("signal received, shutting down", signal=name)
-        stop.set()
-        if not running:
-            agent_task.cancel()
-        # the ultimate deadline: a component that ignores cancellation cannot keep us alive
-        deadline.append(loop.call_later(SHUTDOWN_TIMEOUT_S + 0.8, _hard_exit))
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        await agent_task
-    except asyncio.CancelledError:
-        if not signals_seen:
-            raise
-        log.info("stopped during start-up")
-    finally:
-        for handle in deadline:
-            handle.cancel()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-    return 0
-
-
-def _hard_exit() -> None:
-    # name what held the shutdown up: the one line an operator (or a developer) needs
-    stuck = []
-    for task in asyncio.all_tasks():
-        if task.done() or task is asyncio.current_task():
-            continue
-        frames = task.get_stack(limit=1)
-        where = f"{frames[0].f_code.co_filename.rsplit('/', 2)[-1]}:{frames[0].f_lineno}" if frames else "?"
-        stuck.append(f"{task.get_name()} at {where}")
-    log.error("shutdown did not finish in time, exiting", still_running=sorted(stuck)[:20])
-    logging.shutdown()
-    os._exit(1)
+    values = {
+        "config": config,
+        "backend": backend,
+        "simulated": simulated,
+        "preset": preset,
+        "node_name": node_name,
+        "paths__kubelet_root": kubelet_root,
+        "paths__device_plugins_dir": device_plugins_dir,
+        "paths__cdi_root": cdi_root,
+        "paths__state_dir": state_dir,
+        "paths__driver_root": driver_root,
+        "paths__host_driver_root": host_driver_root,
+        "debug_addr": debug_addr,
+        "kubeconfig": kubeconfig,
+        "log_level": log_level,
+    }
+    raise typer.Exit(run_command(values))
 
 
 # --- inventory ---------------------------------------------------------------------
