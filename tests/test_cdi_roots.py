@@ -15,7 +15,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from typer.testing import CliRunner
 
+import agent.base.logs
 import agent.cli.main
+import agent.cli.run
 from agent.base.errors import ConfigError
 from agent.cdi import generate
 from agent.cdi import spec as s
@@ -204,11 +206,15 @@ def test_run_flag_becomes_an_override(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(options)
         return 0
 
-    monkeypatch.setattr(agent.cli.main, "_run", fake_run)
-    monkeypatch.setattr(agent.cli.main, "configure_logging", lambda level: None)
+    monkeypatch.setattr(agent.cli.run, "_run", fake_run)
+    monkeypatch.setattr(agent.base.logs, "configure_logging", lambda level: None)
     result = CliRunner().invoke(agent.cli.main.app, ["run", "--simulated", "--host-driver-root", "/run/nvidia/driver"])
     assert result.exit_code == 0, result.output
     assert seen[0].overrides["paths.host_driver_root"] == "/run/nvidia/driver"
+    # the agent's own reading of the arguments (no typer) gives the same override
+    values = agent.cli.run.parse_run_args(["--simulated", "--host-driver-root", "/run/nvidia/driver"], {})
+    assert values is not None and agent.cli.run.run_command(values) == 0
+    assert seen[1].overrides["paths.host_driver_root"] == "/run/nvidia/driver"
 
 
 # --- the service and the composition root ---------------------------------------------------
