@@ -85,6 +85,14 @@ async def test_at_the_cap_a_probe_displaces_the_quietest_silent_connection() -> 
                 writer.close()
 
 
+def test_the_oldest_of_equally_quiet_connections_goes_under_uvloop() -> None:
+    """The agent runs on uvloop, whose clock moves in milliseconds: silent connections opened in
+    one millisecond are equally quiet, and the one admitted first is displaced."""
+    uvloop = pytest.importorskip("uvloop")
+    for _ in range(5):
+        uvloop.run(test_at_the_cap_a_probe_displaces_the_quietest_silent_connection())
+
+
 async def test_503_only_when_every_connection_is_answering_a_request() -> None:
     async with endpoint(HttpLimits(max_connections=2, body_timeout_s=30)) as port:
         head = b"POST /debug/simulated/health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"

@@ -27,7 +27,9 @@ class ConnectionCap:
         self.limit = limit
         self.name = name
         self.refusal = refusal
-        self.open: set[CappedProtocol] = set()
+        #: in the order admitted (a dict as an ordered set): among connections equally quiet, as a
+        #: clock with millisecond steps (uvloop's) makes many, the oldest goes first
+        self.open: dict[CappedProtocol, None] = {}
         self.displaced = 0
         self.refused = 0
         self._displace_log = LogThrottle()
@@ -42,7 +44,7 @@ class ConnectionCap:
                     log.warning("connection refused: every open connection is busy", server=self.name, count=count)
                 return False
             victim = min(quiet, key=lambda c: c.last_active)
-            self.open.discard(victim)
+            del self.open[victim]
             victim.close()
             self.displaced += 1
             if count := self._displace_log.due():
@@ -52,7 +54,7 @@ class ConnectionCap:
                     limit=self.limit,
                     count=count,
                 )
-        self.open.add(connection)
+        self.open[connection] = None
         return True
 
 
@@ -124,6 +126,6 @@ class CappedProtocol(asyncio.Protocol):
             return
         self.admitted = False
         self._transport = None
-        self._cap.open.discard(self)
+        self._cap.open.pop(self, None)
         if self.started:
             self._inner.connection_lost(exc)
