@@ -483,3 +483,68 @@ def test_a_claim_allocated_from_the_old_slice_is_prepared_when_the_kubelet_asks_
         assert node.ownership.current.granted_to(node.gpus[0], DP)
     finally:
         node.teardown()
+
+
+def test_a_claim_allocated_before_a_restart_holds_its_gpu_when_the_config_turns_back() -> None:
+    """Found by the state machine: GPU 0 is DRA's and a claim is allocated on it; the agent
+    restarts (every GPU's owner derived again, GPU 0 first a drain from the device plugin, whose
+    PodResources has not answered yet); GPUs 1 and 2 are given to DRA, then GPU 0 back to the
+    device plugin.
+    The claim, allocated but not prepared, must still hold GPU 0: turning a derived drain back is a
+    new grant, so GPU 0 drains from DRA, which must look at the node's pods a settle after GPU 0
+    left its slice."""
+    node = Node()
+    try:
+        node.settled_node([DRA, DP, DP])
+        node.scheduler_allocates("w0", 0)
+        node.agent_restarts()
+        node.slice_write_attempted()
+        node.slice_write_succeeds()
+        node.config_changes(1, DRA)  # now no drain is away from DRA: only the derived ones are left
+        node.config_changes(2, DRA)
+        node.config_changes(0, DP)
+        node.an_allocated_claim_is_never_stranded()
+        assert node.ownership.current.state_of(node.gpus[0]) == "draining:dra->device-plugin"
+        for _ in range(4):
+            node.time_passes(1.0)
+            node.podresources_polled()
+            node.agent_lists_the_nodes_pods()
+            node.handover_ticks()
+            node.an_allocated_claim_is_never_stranded()
+        assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
+        node.kubelet_prepares("w0")
+        node.kubelet_unprepares("w0")
+        node.settle()
+        assert node.ownership.current.granted_to(node.gpus[0], DP)
+    finally:
+        node.teardown()
+
+
+def test_a_claim_allocated_after_the_pods_were_listed_is_not_missed_when_the_config_turns_back() -> None:
+    """Found by the state machine: after a restart the agent lists the node's pods, then the
+    scheduler allocates a claim on GPU 0 from the slice of the earlier run, which still lists it;
+    then the config gives GPU 0 to the device plugin. The list was older than the claim: only a
+    list made a settle after GPU 0 left the slice may let it go."""
+    node = Node()
+    try:
+        node.settled_node([DRA, DP, DP])
+        node.agent_restarts()
+        node.agent_lists_the_nodes_pods()
+        node.slice_write_attempted()
+        node.scheduler_allocates("w0", 0)
+        node.slice_write_succeeds()
+        node.config_changes(0, DP)
+        node.an_allocated_claim_is_never_stranded()
+        for _ in range(4):
+            node.time_passes(1.0)
+            node.podresources_polled()
+            node.agent_lists_the_nodes_pods()
+            node.handover_ticks()
+            node.an_allocated_claim_is_never_stranded()
+        assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
+        node.kubelet_prepares("w0")
+        node.kubelet_unprepares("w0")
+        node.settle()
+        assert node.ownership.current.granted_to(node.gpus[0], DP)
+    finally:
+        node.teardown()

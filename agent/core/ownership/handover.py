@@ -133,12 +133,17 @@ def next_grants(
         elif drain is not None:
             if want is drain.source and drain.closing:
                 drain = None  # the device plugin never stopped serving it: nothing moved
+            elif want is drain.source and drain.derived:
+                # a drain derived at start: its "source" was a doubt, not a grant, so this is a new
+                # grant, and every other mechanism must be seen not to hold it a settle after it
+                # stopped advertising it (a claim the scheduler allocated from an earlier run's
+                # slice shows in DRA's look at the node's pods only then): drain from each in turn
+                first = next((m for m in MECHANISMS if m is not want), None)
+                drain = None if first is None else Drain(source=first, target=want, since=now, derived=True)
             elif want is drain.source:
-                # back to the old owner, which never let go (nothing else had it meanwhile); a
-                # drain derived at start is different: its "source" was a doubt, not a grant, so
-                # this is a new grant and every other mechanism must be known not to hold it
-                holder = _first_holder(gpu, want, observed, unknown_blocks=drain.derived)
-                drain = None if holder is None else Drain(source=holder, target=want, since=now, derived=drain.derived)
+                # back to the old owner, which never let go (nothing else had it meanwhile)
+                holder = _first_holder(gpu, want, observed, unknown_blocks=False)
+                drain = None if holder is None else Drain(source=holder, target=want, since=now)
             elif want is not drain.target:
                 drain = replace(drain, target=want)
         elif had is Owner.NONE and want is not Owner.NONE:
