@@ -485,6 +485,22 @@ def test_a_claim_allocated_from_the_old_slice_is_prepared_when_the_kubelet_asks_
         node.teardown()
 
 
+def gpu0_waits_for_w0_then_goes_to_the_device_plugin(node: Node) -> None:
+    """Seconds pass with the kubelet and the pod list answering: GPU 0 waits for claim w0 until
+    the kubelet has prepared and unprepared it, then it is the device plugin's."""
+    for _ in range(4):
+        node.time_passes(1.0)
+        node.podresources_polled()
+        node.agent_lists_the_nodes_pods()
+        node.handover_ticks()
+        node.an_allocated_claim_is_never_stranded()
+    assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
+    node.kubelet_prepares("w0")
+    node.kubelet_unprepares("w0")
+    node.settle()
+    assert node.ownership.current.granted_to(node.gpus[0], DP)
+
+
 def test_a_claim_allocated_before_a_restart_holds_its_gpu_when_the_config_turns_back() -> None:
     """Found by the state machine: GPU 0 is DRA's and a claim is allocated on it; the agent
     restarts (every GPU's owner derived again, GPU 0 first a drain from the device plugin, whose
@@ -505,17 +521,7 @@ def test_a_claim_allocated_before_a_restart_holds_its_gpu_when_the_config_turns_
         node.config_changes(0, DP)
         node.an_allocated_claim_is_never_stranded()
         assert node.ownership.current.state_of(node.gpus[0]) == "draining:dra->device-plugin"
-        for _ in range(4):
-            node.time_passes(1.0)
-            node.podresources_polled()
-            node.agent_lists_the_nodes_pods()
-            node.handover_ticks()
-            node.an_allocated_claim_is_never_stranded()
-        assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
-        node.kubelet_prepares("w0")
-        node.kubelet_unprepares("w0")
-        node.settle()
-        assert node.ownership.current.granted_to(node.gpus[0], DP)
+        gpu0_waits_for_w0_then_goes_to_the_device_plugin(node)
     finally:
         node.teardown()
 
@@ -535,16 +541,6 @@ def test_a_claim_allocated_after_the_pods_were_listed_is_not_missed_when_the_con
         node.slice_write_succeeds()
         node.config_changes(0, DP)
         node.an_allocated_claim_is_never_stranded()
-        for _ in range(4):
-            node.time_passes(1.0)
-            node.podresources_polled()
-            node.agent_lists_the_nodes_pods()
-            node.handover_ticks()
-            node.an_allocated_claim_is_never_stranded()
-        assert "w0" in node.ownership.current.draining[node.gpus[0]].waiting_for
-        node.kubelet_prepares("w0")
-        node.kubelet_unprepares("w0")
-        node.settle()
-        assert node.ownership.current.granted_to(node.gpus[0], DP)
+        gpu0_waits_for_w0_then_goes_to_the_device_plugin(node)
     finally:
         node.teardown()
