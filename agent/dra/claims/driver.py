@@ -453,12 +453,14 @@ class DraDriver:
             return {}
         claims = {p.ref.uid: p.cdi_devices() for p in pending}
         expected = self._specs.names(claims)
+        recorded: dict[str, PreparedClaim] = {}
         if expected is None:
             written = await self._specs.write(claims)
         else:
             now = self._now()
             for p in pending:
-                self.prepared.record(p.prepared(expected[p.ref.uid], now))
+                recorded[p.ref.uid] = p.prepared(expected[p.ref.uid], now)
+                self.prepared.record(recorded[p.ref.uid])
             written, _ = await asyncio.gather(self._specs.write(claims), self._persist_early())
         outcomes: dict[str, _Outcome] = {}
         unmade: list[str] = []
@@ -472,8 +474,9 @@ class DraDriver:
                 if p.made and p.existing is None:
                     unmade.append(p.ref.uid)
                 continue
-            prepared = p.prepared(names, self._now())
-            if expected is None or names != expected[p.ref.uid]:
+            prepared = recorded.get(p.ref.uid)
+            if prepared is None or expected is None or names != expected[p.ref.uid]:
+                prepared = p.prepared(names, self._now())
                 self.prepared.record(prepared)
             self._observe_allocation_age(p.allocated_at)
             log.info(
