@@ -289,7 +289,17 @@ class FakeApiServer:
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self._record("nodes", "MODIFIED", obj)
 
-    def add_pod(self, namespace: str, name: str, *, uid: str = "", node: str = NODE) -> dict[str, Any]:
+    def add_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        uid: str = "",
+        node: str = NODE,
+        phase: str = "Running",
+        claims: tuple[str, ...] = (),
+    ) -> dict[str, Any]:
+        """``claims``: ResourceClaim names the pod's templates made (``status.resourceClaimStatuses``)."""
         self.rv += 1
         pod = {
             "kind": "Pod",
@@ -302,8 +312,13 @@ class FakeApiServer:
                 "creationTimestamp": _now(),
             },
             "spec": {"nodeName": node, "containers": [{"name": "main", "image": "cuda"}]},
-            "status": {"phase": "Running"},
+            "status": {"phase": phase},
         }
+        if claims:
+            pod["spec"]["resourceClaims"] = [{"name": f"c{i}", "resourceClaimTemplateName": "t"} for i in range(len(claims))]
+            pod["status"]["resourceClaimStatuses"] = [
+                {"name": f"c{i}", "resourceClaimName": claim} for i, claim in enumerate(claims)
+            ]
         self.pods[(namespace, name)] = pod
         self._record("pods", "ADDED", pod)
         return pod

@@ -324,6 +324,7 @@ class DraMechanism:
                 "timeout_s": self.feed.timeout_s,
             },
             "slices": self.publisher.debug_state(),
+            "claim_reads": self.driver.claim_source_state(),
         }
 
 

@@ -64,7 +64,7 @@ class NodePodClaims:
             raise KubeError(f"node {self.node_name} has {len(items)} pods, more than {MAX_PODS}")
         out: list[PodClaims] = []
         for item in items:
-            pod = _pod_claims(item)
+            pod = pod_claims(item)
             if pod is not None:
                 out.append(pod)
         return out
@@ -75,11 +75,13 @@ def _object(item: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _pod_claims(item: Any) -> PodClaims | None:
+def pod_claims(item: Any, *, finished: bool = False) -> PodClaims | None:
+    """The claims a pod object names (None: it names none, is not a pod, or has finished, unless
+    ``finished``)."""
     if not isinstance(item, dict):
         return None
     metadata, spec, status = (_object(item, key) for key in ("metadata", "spec", "status"))
-    if status.get("phase") in _FINISHED:
+    if not finished and status.get("phase") in _FINISHED:
         return None
     names: list[str] = []
     for entry in spec.get("resourceClaims") or []:

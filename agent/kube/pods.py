@@ -3,9 +3,13 @@
 The orphan check (``agent/observe/orphans.py``) asks about pods that the kubelet's PodResources
 still lists, or that a prepared claim is reserved for. :class:`NodePods` answers from one watch of
 this node's pods (``fieldSelector=spec.nodeName=<node>``, the selector the kubelet itself uses),
-metadata only (``PartialObjectMetadata``: names and UIDs, none of the spec), so that a pod going
-away is *pushed* to the agent instead of being polled for: in steady state it costs one open
-stream, resumed from its resourceVersion (``agent/kube/listwatch.py``).
+so that a pod going away is *pushed* to the agent instead of being polled for: in steady state it
+costs one open stream, resumed from its resourceVersion (``agent/kube/listwatch.py``). The list is
+metadata only (``PartialObjectMetadata``: names and UIDs, none of the spec), so a node with many
+pods stays far inside the list bound. The stream carries metadata too, unless ``arrivals`` wants
+whole pods: DRA's claim prefetch (``agent/kube/claims/prefetch.py``) reads the claims a pod names
+the moment it arrives on the node, from the same stream (one event is one pod, bounded by the
+client's ``watch_line_bytes``; what is kept from it is still its name and UID).
 
 :meth:`NodePods.state` answers from the watch without I/O: present (with the UID), gone (absent
 from a current, complete view) or unknown (the view is not current, or was cut at ``max_pods``).
@@ -31,7 +35,7 @@ from urllib.parse import quote
 
 import structlog
 
-from agent.kube.client import METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
+from agent.kube.client import JSON, METADATA_ACCEPT, METADATA_LIST_ACCEPT, KubeClient
 from agent.kube.errors import KubeError, KubeNotFoundError
 from agent.kube.listwatch import PRODUCTION, ListWatch, WatchTiming
 
@@ -60,6 +64,14 @@ class PodAnswer:
     uid: str = ""
     #: why the answer is unknown
     reason: str = ""
+
+
+class PodArrivals(Protocol):
+    """Told about pods arriving on the node and leaving it (whole objects, as the watch has them)."""
+
+    def pod_added(self, pod: Any) -> None: ...
+
+    def pod_deleted(self, pod: Any) -> None: ...
 
 
 class PodLookup(Protocol):
@@ -94,8 +106,10 @@ class NodePods:
         max_pods: int = MAX_PODS,
         timeout_s: float = LOOKUP_TIMEOUT_S,
         timing: WatchTiming = PRODUCTION,
+        arrivals: PodArrivals | None = None,
     ) -> None:
         self._client = client
+        self._arrivals = arrivals
         self.node_name = node_name
         self._max_pods = max_pods
         self._timeout_s = timeout_s
@@ -112,7 +126,7 @@ class NodePods:
             on_event=self._event,
             on_error=self._failed,
             on_recovered=self._recovered,
-            accept=METADATA_ACCEPT,
+            accept=METADATA_ACCEPT if arrivals is None else JSON,
             list_accept=METADATA_LIST_ACCEPT,
             timing=timing,
         )
@@ -200,6 +214,15 @@ class NodePods:
             self._pods[key] = _uid_of(obj)
         else:
             self._set_left_out(self._left_out + 1)
+        if self._arrivals is None:
+            return
+        try:
+            if kind == "ADDED":
+                self._arrivals.pod_added(obj)
+            elif kind == "DELETED":
+                self._arrivals.pod_deleted(obj)
+        except Exception:  # a read ahead is an optimisation: it never costs the watch
+            log.exception("pod arrival not handled", namespace=key[0], pod=key[1])
 
     def _set_left_out(self, count: int) -> None:
         if count and not self._left_out:

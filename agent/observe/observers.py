@@ -28,7 +28,7 @@ from agent.kube.claims.model import ClaimSource
 from agent.kube.claims.source import NoApiClaims
 from agent.kube.client import KubeClient
 from agent.kube.nodestatus import NoApiNodeStatus, NodeStatusSource
-from agent.kube.pods import NoApiPods, NodePods, PodLookup
+from agent.kube.pods import NoApiPods, NodePods, PodArrivals, PodLookup
 from agent.observe.orphans import ClaimSpecListing, OrphanDetector
 from agent.observe.utilization import UtilizationSampler
 from agent.observe.watchdog import Watchdog
@@ -79,12 +79,14 @@ def build_observers(
     kube: KubeClient | None = None,
     node_name: str = "",
     claims: ClaimSource | None = None,
+    pod_arrivals: PodArrivals | None = None,
     claim_specs: ClaimSpecListing | None = None,
     events: EventSink | None = None,
     node: NodeStatusSource | None = None,
 ) -> Observers:
-    """``node``: the Node's status (the Node watch); without it the watchdog's node checks are skipped."""
-    pods: PodLookup = NodePods(kube, node_name=node_name) if kube is not None else NoApiPods()
+    """``node``: the Node's status (the Node watch); without it the watchdog's node checks are skipped.
+    ``pod_arrivals`` is told about pods arriving on the node and leaving it (the pod watch's)."""
+    pods: PodLookup = NodePods(kube, node_name=node_name, arrivals=pod_arrivals) if kube is not None else NoApiPods()
 
     async def has_gpus() -> None:
         with inventory.changes.subscribe() as changes:

@@ -37,6 +37,7 @@ from agent.dra.modes import ModeGate
 from agent.dra.slices.noapi import NoApiPublisher
 from agent.dra.slices.publisher import KubeSlicePublisher
 from agent.kube.claims.model import ClaimSource
+from agent.kube.claims.prefetch import ClaimPrefetch
 from agent.kube.claims.source import KubeClaimSource, NoApiClaims
 from agent.kube.discovery import ResourceApi
 from agent.kube.labels import NodeLabelSource, StaticLabelSource, label_source
@@ -70,6 +71,7 @@ async def build_rest(
     # each GPU's publish shape: one decision the slices, claim preparation and health all read
     gate = ModeGate(inventory=core.node.inventory, publish=publish, mps_unavailable=mps_reason(mps))
     pods: NodePodClaims | None = None
+    prefetch: ClaimPrefetch | None = None
     if kube is not None:
         resources = ResourceApi(kube)
         publisher = KubeSlicePublisher(
@@ -82,6 +84,7 @@ async def build_rest(
             gate=gate,
         )
         claims = KubeClaimSource(client=kube, resource_api=resources)
+        prefetch = ClaimPrefetch(claims)
         events = EventRecorder(client=kube, node_name=node_name, registry=registry)
         node_counts = NodeCountsGuard(kube, node_name=node_name)
         pods = NodePodClaims(kube, node_name=node_name)
@@ -89,7 +92,7 @@ async def build_rest(
     # loads the DRA checkpoint and tells CDI which claim specs to keep: before CDI reconciles
     dra = await build_dra(
         config,
-        claims=claims,
+        claims=prefetch or claims,
         publisher=publisher,
         node=core.node,
         cdi=core.cdi,
@@ -110,6 +113,7 @@ async def build_rest(
         kube=kube,
         node_name=node_name,
         claims=claims,
+        pod_arrivals=prefetch,
         claim_specs=ClaimSpecDirectory(config.paths.cdi_root, config.cdi.claim_kind) if config.cdi.enabled else None,
         events=events,
         node=labels if isinstance(labels, NodeLabelSource) else None,
@@ -166,6 +170,9 @@ async def build_rest(
         roots["kube-events"] = events.run
     if node_counts is not None:
         roots["node-counts"] = node_counts.run
+    if prefetch is not None:
+        prefetch.skip_prepared(dra.driver.prepared.named)
+        roots["claim-prefetch"] = prefetch.run
     if options.config_path is not None:
         watcher = ConfigWatcher(path=options.config_path, overrides=options.overrides, state=core.config_state)
         roots["config-watch"] = watcher.run

@@ -530,6 +530,11 @@ class DraDriver:
         minor = int(head[4:])
         return next((gpu.uuid for gpu in self._inventory.current.gpus if gpu.minor == minor), None)
 
+    def claim_source_state(self) -> dict[str, object]:
+        """The claim source's own figures (the read-ahead's), if it keeps any."""
+        state = getattr(self._claims, "debug_state", None)
+        return state() if callable(state) else {}
+
     async def _read_claim(self, ref: ClaimRef) -> ResourceClaim | None:
         what = f"reading ResourceClaim {ref.namespace}/{ref.name} from the API server"
         try:

@@ -93,6 +93,10 @@ class PreparedClaims(Mapping[str, PreparedClaim]):
     def __len__(self) -> int:
         return len(self._claims)
 
+    def named(self, namespace: str, name: str) -> bool:
+        """Whether a claim of that name is prepared (whatever its UID)."""
+        return any(c.name == name and c.namespace == namespace for c in self._claims.values())
+
     # --- changes (the driver's, under the claim's lock) -------------------------------------
 
     def record(self, claim: PreparedClaim) -> None:
