@@ -8,6 +8,7 @@ agent always writes exactly that (older runtimes reject versions they do not kno
 
 from __future__ import annotations
 
+import functools
 import json
 import typing
 from collections.abc import Callable, Iterator, Mapping
@@ -126,6 +127,7 @@ class Spec:
 # --- versions ------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)  # a handful of versions, parsed on every spec validated
 def version_key(version: str) -> tuple[int, ...]:
     """``"v0.5.0"`` / ``"0.5.0"`` -> (0, 5, 0); ValueError when not a version."""
     text = version[1:] if version.startswith("v") else version
@@ -214,6 +216,9 @@ def _edits_problems(edits: ContainerEdits, where: str) -> Iterator[str]:
         yield f"{where}.netDevices: duplicate interface names"
 
 
+_KNOWN_KEYS = frozenset(version_key(v) for v in KNOWN_VERSIONS)
+
+
 def validate(spec: Spec) -> list[str]:
     """Every rule the Go library enforces (and absolute paths), as one message per problem."""
     problems: list[str] = []
@@ -221,7 +226,7 @@ def validate(spec: Spec) -> list[str]:
         declared = version_key(spec.version)
     except ValueError:
         declared = None
-    if declared is None or declared not in {version_key(v) for v in KNOWN_VERSIONS}:
+    if declared is None or declared not in _KNOWN_KEYS:
         problems.append(f"cdiVersion: unknown version {spec.version!r} (known: {', '.join(KNOWN_VERSIONS)})")
     else:
         needed = minimum_version(spec)
