@@ -72,7 +72,7 @@ def test_missing_is_a_fresh_start(tmp_path: Path) -> None:
         (lambda raw: raw[: len(raw) // 2], "not JSON"),
         (lambda raw: b"", "not JSON"),
         (lambda raw: raw.replace(b'"gpu-0"', b'"gpu-9"'), "checksum mismatch"),
-        (lambda raw: raw.replace(b'"version": 2', b'"version": 3'), "written by a newer agent (version 3"),
+        (lambda raw: raw.replace(b'"version":2', b'"version":3'), "written by a newer agent (version 3"),
         (lambda raw: b'{"kind": "Something", "version": 1}', "not a checkpoint of this agent"),
         (lambda raw: b"\xff\xfe\x00", "not JSON"),
     ],

@@ -128,7 +128,7 @@ async def test_an_unusable_checkpoint_is_rebuilt_from_the_cdi_specs(h: DraHarnes
         {
             "truncate": raw[:100],
             "edit": raw.replace(b'"gpu-1"', b'"gpu-6"'),
-            "newer-version": raw.replace(b'"version": 2', b'"version": 7'),
+            "newer-version": raw.replace(b'"version":2', b'"version":7'),
         }[damage],
     )
     await h.restart()  # no crash loop: it starts

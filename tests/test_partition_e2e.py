@@ -87,10 +87,11 @@ def spec_device(node: Node, cdi_id: str) -> dict[str, Any]:
 async def test_partitions_and_shares_through_the_whole_agent(node: Node) -> None:
     await asyncio.to_thread(node.agent.wait_port)
     endpoint = await node.register_dra()
-    await eventually(lambda: "gpu-0-mig-3g40gb-9-4" in devices_of(node), "partitions published")
+    # the slices are written one after another: wait for the last of them, not the first
+    expected = {"gpu-0-mig-3g40gb-9-4", "gpu-6-shared", "gpu-7-shared", "gpu-0"}
+    await eventually(lambda: expected <= devices_of(node), "partitions and shares published")
     counter_slices = [s for s in node.api.slices_of() if s["spec"].get("sharedCounters")]
     assert len(counter_slices) == 1 and len(counter_slices[0]["spec"]["sharedCounters"]) == 6
-    assert {"gpu-6-shared", "gpu-7-shared", "gpu-0"} <= devices_of(node)
     await eventually(lambda: node.agent.get("/readyz")[0] == 200, "ready")
 
     # a 3g.40gb partition: the simulated backend makes the instance, the spec names it

@@ -188,7 +188,7 @@ class Reconciler:
         if current is None:
             self.writer.write(name, spec)
             return Repair("created", name, "missing")
-        if current == cdi_spec.dumps(spec).encode():
+        if current == self.writer.render(name, spec):
             return None
         reason = describe_drift(current, spec)
         self.writer.write(name, spec)

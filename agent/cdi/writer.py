@@ -122,6 +122,14 @@ class SpecWriter:
             return True
         return name.endswith(SPEC_SUFFIX) and name.startswith(tuple(self._transient)) and "/" not in name
 
+    def render(self, name: str, spec: cdi_spec.Spec) -> bytes:
+        """The bytes written for ``spec`` at ``name``: claim specs (transient, written on every
+        prepare) as compact JSON, the device plugin's indented for people reading it."""
+        return cdi_spec.dumps(spec, compact=self._is_transient(name)).encode()
+
+    def _is_transient(self, name: str) -> bool:
+        return name not in self._exact and name.startswith(tuple(self._transient))
+
     def _declares_our_kind(self, name: str) -> bool:
         """A transient file counts as ours only if it parses and names the kind of its prefix."""
         if name in self._exact:
@@ -175,7 +183,7 @@ class SpecWriter:
         """
         path = self._path(name)
         cdi_spec.check(spec)
-        data = cdi_spec.dumps(spec).encode()
+        data = self.render(name, spec)
         ensure_directory(self.directory)
         if self.read(name) == data:
             return False
