@@ -315,7 +315,9 @@ class FakeApiServer:
             "status": {"phase": phase},
         }
         if claims:
-            pod["spec"]["resourceClaims"] = [{"name": f"c{i}", "resourceClaimTemplateName": "t"} for i in range(len(claims))]
+            pod["spec"]["resourceClaims"] = [
+                {"name": f"c{i}", "resourceClaimTemplateName": "t"} for i in range(len(claims))
+            ]
             pod["status"]["resourceClaimStatuses"] = [
                 {"name": f"c{i}", "resourceClaimName": claim} for i, claim in enumerate(claims)
             ]

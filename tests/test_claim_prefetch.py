@@ -44,7 +44,7 @@ class ScriptedClaims:
         self.asked: list[tuple[str, str]] = []
         self.pending: dict[tuple[str, str], list[asyncio.Future[ResourceClaim | None]]] = {}
         #: answered at once instead, when set for a name
-        self.answers: dict[str, ResourceClaim | None | Exception] = {}
+        self.answers: dict[str, ResourceClaim | Exception | None] = {}
 
     async def get_claim(self, ref: ClaimRef) -> ResourceClaim | None:
         self.asked.append((ref.namespace, ref.name))
