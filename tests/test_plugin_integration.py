@@ -74,7 +74,11 @@ async def test_no_kubelet_is_said_once_then_at_debug_and_again_when_it_changes()
     every 30 s, for as long as the node had no kubelet."""
     with capture_logs() as logs:
         async with plugin_harness(start_kubelet=False) as h:
-            await wait_for(lambda: h.manager.servers[GPU].attempts >= 4, what="register retries")
+            # attempts counts a Register when it starts: wait for four that failed and said so
+            await wait_for(
+                lambda: sum(e["event"] == "registration with the kubelet failed" for e in logs) >= 4,
+                what="four register failures logged",
+            )
             h.kubelet.reject = "the ResourceName is invalid"  # a different failure: news
             await h.kubelet.start()
             await wait_for(lambda: "ResourceName is invalid" in h.manager.servers[GPU].last_error, what="rejection")
