@@ -267,6 +267,52 @@ async def test_deleted_spec_is_back_long_before_the_period(
             await task
 
 
+async def test_the_agents_own_writes_start_no_pass_and_anyone_elses_do(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """Every claim spec the agent wrote or removed came back from the directory watch as a change
+    and started a full reconcile pass (every owned file read and compared) right after each
+    prepare and unprepare, on the CPU the next prepare needed."""
+    (tmp_path / "cdi").mkdir()  # watched from the start (a directory that appears is a rescan)
+    service = _quiet_service(tmp_path, driver, registry)
+
+    def state(key: str) -> int:
+        value = service.debug_state()[key]
+        assert isinstance(value, int)
+        return value
+
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        await wait_for(lambda: state("watch_echoes") >= 1, within=SLACK)  # the start pass's own write
+        kicks = state("watch_kicks")
+        g1 = inventory(2).gpus[1]
+        echoes = state("watch_echoes")
+        await prepare_claim(service, UID, [g1.uuid])
+        await wait_for(lambda: state("watch_echoes") > echoes, within=SLACK)
+        echoes = state("watch_echoes")
+        await unprepare_claim(service, UID)
+        await wait_for(lambda: state("watch_echoes") > echoes, within=SLACK)
+        assert state("watch_kicks") == kicks
+        # someone else's change to a file the agent wrote is a change: a pass repairs it at once
+        await prepare_claim(service, UID, [g1.uuid])
+        claim = tmp_path / "cdi" / CLAIM_FILE
+        written = claim.read_bytes()
+        claim.write_bytes(written.replace(b"nvidia1", b"nvidia9"))
+        await wait_for(lambda: claim.read_bytes() == written, within=SLACK)
+        assert state("watch_kicks") > kicks
+        # and so is a deletion of one the agent removed being undone by someone: no echo
+        dp = tmp_path / "cdi" / DP_FILE
+        original = dp.read_bytes()
+        kicks = state("watch_kicks")
+        dp.unlink()
+        await wait_for(lambda: dp.exists() and dp.read_bytes() == original, within=SLACK)
+        assert state("watch_kicks") > kicks
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 def _quiet_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> CdiService:
     """A service whose period (an hour) never comes round in a test."""
     return CdiService(

@@ -216,3 +216,50 @@ def test_full_and_read_only_file_systems_for_real(tmp_path: Path) -> None:
     assert any(line.startswith("full:") and "no space left on device" in line for line in lines), lines
     read_only = [line for line in lines if line.startswith("ro:")]
     assert len(read_only) == 2 and all("read-only" in line for line in read_only), lines
+
+
+def test_left_as_is_tells_its_own_writes_from_anyone_elses(writer: w.SpecWriter) -> None:
+    """What the service's directory watch asks before it starts a reconcile pass."""
+    path = writer.directory / CLAIM
+    assert not writer.left_as_is(CLAIM)  # never touched: anything reported is news
+    writer.write(CLAIM, make_spec("a", kind=CLAIM_KIND), durable=False)
+    assert writer.left_as_is(CLAIM) and writer.left_as_is(CLAIM)  # as often as the watch reports it
+    written = path.read_bytes()
+    # the same length, the same inode, within the same clock tick: still seen, by content
+    path.write_bytes(written.replace(b"nvidia0", b"nvidia9"))
+    assert not writer.left_as_is(CLAIM)
+    path.write_bytes(written)
+    assert writer.left_as_is(CLAIM)  # back to what the agent wrote: nothing to repair
+    path.write_bytes(written + b" ")
+    assert not writer.left_as_is(CLAIM)
+    path.unlink()
+    assert not writer.left_as_is(CLAIM)  # deleted by someone
+    elsewhere = writer.directory.parent / "elsewhere.json"
+    elsewhere.write_bytes(written)
+    path.symlink_to(elsewhere)
+    assert not writer.left_as_is(CLAIM)  # a symlink is never the agent's, whatever it points at
+    path.unlink()
+    writer.write(CLAIM, make_spec("a", kind=CLAIM_KIND), durable=False)
+    assert writer.remove(CLAIM, durable=False)
+    assert writer.left_as_is(CLAIM)  # its removal's echo: once, then forgotten
+    assert not writer.left_as_is(CLAIM)
+    path.write_bytes(written)
+    assert not writer.left_as_is(CLAIM)  # re-created by someone
+
+
+def test_left_as_is_forgets_a_write_that_failed(writer: w.SpecWriter) -> None:
+    writer.write(OURS, make_spec("a"))
+    (writer.directory / OURS).unlink()
+    (writer.directory / OURS).mkdir()  # the write below is refused: a directory at the target
+    with pytest.raises(SpecWriteError):
+        writer.write(OURS, make_spec("b"))
+    assert not writer.left_as_is(OURS)
+
+
+def test_left_as_is_remembers_a_bounded_number_of_files(writer: w.SpecWriter, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(w, "MAX_REMEMBERED", 4)
+    names = [f"k8s.gpu-node-agent.nvidia.com-claim_u{i}.json" for i in range(5)]
+    for name in names:
+        writer.write(name, make_spec(name[-7:-5], kind=CLAIM_KIND), durable=False)
+    assert writer.left_as_is(names[-1])
+    assert not any(writer.left_as_is(n) for n in names[:-1])  # started afresh at the fifth

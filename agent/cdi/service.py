@@ -145,6 +145,10 @@ class CdiService:
         self._skipped: frozenset[str] = frozenset()
         self._last: ReconcileReport | None = None
         self._passes = 0
+        #: directory-watch reports that started a pass, and owned names reported that were the
+        #: agent's own write, left as it was (no pass needed)
+        self._watch_kicks = 0
+        self._watch_echoes = 0
         self._last_error: str | None = None
         self._repair_totals: dict[str, int] = dict.fromkeys(ACTIONS, 0)
         registry = registry if registry is not None else CollectorRegistry()
@@ -402,8 +406,18 @@ class CdiService:
             # RESCAN: the watcher lost track (overflow, directory replaced): any spec may be gone
             if RESCAN in names or plugin_file in names:
                 self._spec_may_have_changed()
-            if RESCAN in names or any(self._writer.owns(name) for name in names):
+            if RESCAN in names:
                 self._kick.set()
+                self._watch_kicks += 1
+                continue
+            owned = [n for n in names if self._writer.owns(n)]
+            # a file the agent just wrote or removed, still as it left it, is that write's echo:
+            # a pass would find nothing to do (one ran after every prepare and unprepare)
+            changed = [n for n in owned if not self._writer.left_as_is(n)]
+            self._watch_echoes += len(owned) - len(changed)
+            if changed:
+                self._kick.set()
+                self._watch_kicks += 1
 
     async def _reconcile_loop(self) -> None:
         interval = self._config.reconcile_interval_s
@@ -445,6 +459,8 @@ class CdiService:
             "skipped_devices": list(last.skipped) if last else [],
             "last_reconcile": last.at if last else None,
             "reconcile_passes": self._passes,
+            "watch_kicks": self._watch_kicks,
+            "watch_echoes": self._watch_echoes,
             "last_repairs": [r.as_dict() for r in last.repairs] if last else [],
             "repairs_total": dict(self._repair_totals),
             "last_errors": list(last.errors) if last else [],

@@ -12,6 +12,9 @@
 * Before writing it reads every other spec in the directory: a file that already defines
   one of the new spec's qualified names would make the runtime drop both, so the write is
   refused with a SpecConflictError naming that file.
+* It remembers what it left in each file it wrote (a digest of the content), or that it removed
+  it, so the service can tell its own writes, which a directory watch reports a moment later,
+  from someone else's change (:meth:`SpecWriter.left_as_is`).
 
 All methods block (file I/O); the service calls them through ``asyncio.to_thread``.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -33,6 +37,17 @@ from agent.cdi.names import SPEC_SUFFIX, SPEC_SUFFIXES, spec_file_name, transien
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
+#: files whose state after the writer's last touch is remembered; past this the memory starts
+#: afresh (a file then forgotten only costs one reconcile pass that finds nothing to do)
+MAX_REMEMBERED = 4096
+
+#: what :meth:`SpecWriter.left_as_is` remembers of a file: its length and a digest of its
+#: content; None: no file
+Left = tuple[int, bytes] | None
+
+
+def _fingerprint(data: bytes) -> tuple[int, bytes]:
+    return len(data), hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _reason(exc: OSError) -> str:
@@ -115,6 +130,8 @@ class SpecWriter:
         #: file name -> (identity of the file read, the qualified names it defines); a claim
         #: batch would otherwise parse every spec in the directory once per claim
         self._names: dict[str, tuple[tuple[int, int, int, int], frozenset[str]]] = {}
+        #: file name -> what this writer's last write or removal of it left there
+        self._left: dict[str, Left] = {}
 
     def owns(self, name: str) -> bool:
         """Whether the file name is one the agent writes (the content is not looked at)."""
@@ -189,7 +206,13 @@ class SpecWriter:
             return False
         ours = frozenset(spec.qualified_names())
         self._check_conflicts(name, ours, self.defined_names() if others is None else others)
-        atomic_write(path, data, durable=durable)
+        # remembered first: the watch may report the name before this thread runs on
+        self._remember(name, _fingerprint(data))
+        try:
+            atomic_write(path, data, durable=durable)
+        except SpecWriteError:
+            self._left.pop(name, None)
+            raise
         if others is not None:
             others[name] = ours
         return True
@@ -202,15 +225,50 @@ class SpecWriter:
         path = self._path(name)
         if not check_target(path):
             return False
+        self._remember(name, None)  # before the unlink, for the same reason as in write
         try:
             path.unlink()
         except FileNotFoundError:
             return False
         except OSError as exc:
+            self._left.pop(name, None)
             raise SpecWriteError(f"cannot remove {path}: {_reason(exc)}") from exc
         if durable:
             fsync_directory(self.directory)
         return True
+
+    def _remember(self, name: str, left: Left) -> None:
+        if len(self._left) >= MAX_REMEMBERED and name not in self._left:
+            self._left.clear()
+        self._left[name] = left
+
+    def left_as_is(self, name: str) -> bool:
+        """Whether ``name`` holds exactly what this writer's last write left there (or is still
+        gone after its removal): a watch report of it is then that write's own echo. False for a
+        file it never touched, a symlink or non-file there, and a file it cannot read. A
+        removal's memory is dropped once its echo came (claim names come and go; the memory of
+        files that exist is bounded by them). Reads at most one file's worth (a small spec)."""
+        if name not in self._left:
+            return False
+        left = self._left[name]
+        try:
+            fd = os.open(self.directory / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            if left is None:
+                self._left.pop(name, None)
+                return True
+            return False
+        except OSError:
+            return False
+        try:
+            if left is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
+            data = os.read(fd, left[0] + 1)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        return _fingerprint(data) == left
 
     def remove_stale_temp_files(self) -> list[str]:
         """Temp files of writes that crashed midway (ours only); returns what was removed."""
