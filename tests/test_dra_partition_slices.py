@@ -11,7 +11,7 @@ from agent.core.config.loader import build_config
 from agent.core.config.schema import Owner
 from agent.core.ownership.publish import PublishState, compute_publish_modes
 from agent.dra.devices import dra_devices
-from agent.dra.modes import ModeGate
+from agent.dra.modes import ApiSupport, ModeGate
 from agent.dra.partitions import CounterSet
 from agent.dra.slices.codec import parse_slice, slice_body
 from agent.dra.slices.plan import CounterSlice, SliceDevice, StoredSlice, desired_slices, plan, split
@@ -44,6 +44,24 @@ def _desired(node: Node, gate: ModeGate) -> tuple[object, ...]:
 
 
 # --- pure ----------------------------------------------------------------------------------
+
+
+async def test_devices_are_built_again_only_when_a_shape_or_the_inventory_changes() -> None:
+    """Every prepare moves the claim version, and the refresh after it built every device of
+    the node again (two thirds of the refresh) although a whole-GPU claim changes no shape."""
+    node = await _mig_node()
+    gate = _gate(node, "dynamic-mig")
+    version = [0]
+    gate.attach(held=tuple, instances=tuple, version=lambda: version[0])
+    gate.set_support(ApiSupport(counters=True, shared=True))
+    devices, counters = gate.devices(), gate.counter_sets()
+    version[0] += 1  # a claim prepared or unprepared
+    assert not gate.refresh()
+    assert gate.devices() is devices and gate.counter_sets() is counters
+    gate.set_support(ApiSupport(counters=False, shared=True, reason="dropped"))  # the shapes change
+    assert gate.devices() != devices and not gate.counter_sets()
+    node.inventory.update(await _inventory())  # MIG mode off: another inventory
+    assert sorted(d.name for d in gate.devices()) == sorted(d.name for d in dra_devices(node.inventory.current))
 
 
 async def test_counter_sets_come_first_in_slices_of_their_own() -> None:

@@ -339,8 +339,13 @@ class ModeGate:
                 support=self._support,
                 mps_unavailable=self._mps_unavailable,
             )
+            # the devices and counters are a function of the inventory and the shapes alone; a
+            # prepare moves the version on every call and seldom changes a shape (building the
+            # devices again was two thirds of the refresh that follows every prepare)
+            same = bool(self._key) and inventory is self._key[0] and dict(decided.shapes) == dict(self._decided.shapes)
             self._key, self._decided = key, decided
-            self._devices = dra_devices(inventory, decided.shapes)
-            self._by_name = {d.name: d for d in self._devices}
-            self._counters = counter_sets(inventory, decided.shapes)
+            if not same:
+                self._devices = dra_devices(inventory, decided.shapes)
+                self._by_name = {d.name: d for d in self._devices}
+                self._counters = counter_sets(inventory, decided.shapes)
         return self._decided
