@@ -120,7 +120,8 @@ def install(path: str) -> None:
     from agent.base import atomicfile
     from agent.cdi import service as cdi_service
     from agent.cdi import writer as cdi_writer
-    from agent.dra.claims import checkpoint, driver, prepared, specwriter
+    from agent.dra import modes
+    from agent.dra.claims import checkpoint, driver, instances, prepared, shares, specwriter
     from agent.dra.kubelet import servicer
     from agent.kube import client as kube_client
     from agent.kube import http as kube_http
@@ -136,6 +137,10 @@ def install(path: str) -> None:
     _wrap(kube_http.HttpPool, "_connect", "claim: HTTP GET: new connection (TCP, TLS)")
     _wrap(source, "parse_claim", "claim: decode JSON -> ResourceClaim")
     _wrap(driver, "plan_claim", "plan_claim")
+    _wrap(instances.InstanceMaker, "make", "driver: MIG instances")
+    _wrap(shares.MpsShares, "setup", "driver: MPS shares")
+    _wrap(driver.DraDriver, "_write_specs", "driver: specs + checkpoint")
+    _wrap(modes.ModeGate, "refresh", "driver: device shapes refreshed")
     _wrap(specwriter.ClaimSpecWriter, "write", "CDI: awaited")
     _wrap(cdi_service.CdiService, "_write_claims", "CDI: in thread")
     _wrap(cdi_writer.SpecWriter, "_check_conflicts", "CDI: conflict check")
