@@ -313,6 +313,56 @@ async def test_the_agents_own_writes_start_no_pass_and_anyone_elses_do(
             await task
 
 
+async def test_claim_writes_reuse_the_drivers_last_look_for_one_interval(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    """Every claim write looked at the whole installed driver again (libraries, utilities, nodes:
+    11 ms a claim for the small fake tree here); the reconcile pass looks every interval anyway."""
+    now = [0.0]
+    service = CdiService(
+        config=CdiConfig(reconcile_interval_s=PERIOD),
+        cdi_root=tmp_path / "cdi",
+        driver_root=driver.root,
+        inventory=InventoryState(inventory(2)),
+        registry=registry,
+        hook_candidates=[],
+        clock=lambda: now[0],
+    )
+    g1 = inventory(2).gpus[1]
+
+    def looks() -> object:
+        return service.debug_state()["claim_driver_looks"]
+
+    await service.reconcile_once()
+    for i in range(5):
+        await prepare_claim(service, f"{UID[:-1]}{i}", [g1.uuid])
+    assert looks() == 0  # the pass's look
+    now[0] += PERIOD
+    await prepare_claim(service, f"{UID[:-1]}5", [g1.uuid])
+    await prepare_claim(service, f"{UID[:-1]}6", [g1.uuid])
+    assert looks() == 1  # one interval on: looked again, once
+    service.inventories.update(inventory(2, migs={1: (mig(1, 0, 21, 22),)}))
+    await prepare_claim(service, f"{UID[:-1]}7", [g1.uuid])
+    assert looks() == 2  # another inventory: never the old look
+
+
+async def test_a_driver_changed_within_the_interval_is_in_the_claim_specs_after_the_next_pass(
+    tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
+) -> None:
+    service = make_service(tmp_path, driver, registry)
+    await service.reconcile_once()
+    driver.host("/usr/bin/nvidia-debugdump").unlink()  # a utility gone: the old look still lists it
+    await prepare_claim(service, UID, [inventory(2).gpus[1].uuid])
+
+    def mounted() -> list[str]:
+        return [m.container_path for m in load(tmp_path / "cdi" / CLAIM_FILE).container_edits.mounts]
+
+    assert "/usr/bin/nvidia-debugdump" in mounted()
+    report = await service.reconcile_once()
+    assert "/usr/bin/nvidia-debugdump" not in mounted()
+    assert CLAIM_FILE in {r.file for r in report.repairs if r.action == "rewritten"}
+
+
 def _quiet_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry) -> CdiService:
     """A service whose period (an hour) never comes round in a test."""
     return CdiService(

@@ -1,8 +1,9 @@
 """Where the container edits of a spec come from: the installed driver, or a simulated one.
 
 The service picks one :class:`DriverSource` when it is built (:func:`choose_driver_source`)
-and asks it for a fresh :class:`~agent.cdi.generate.DriverView` on every write and every
-reconcile pass; nothing else in the package knows which mode it is in.
+and asks it for a fresh :class:`~agent.cdi.generate.DriverView` on every reconcile pass and
+device plugin spec check; claim writes reuse the last look at the same inventory for up to one
+reconcile interval. Nothing else in the package knows which mode it is in.
 
 * ``installed``: :class:`~agent.cdi.discovery.DriverDiscovery` looks at the driver root
   (device nodes, libraries, hooks). Every NVML node, and a simulated node whose driver

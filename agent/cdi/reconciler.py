@@ -108,6 +108,8 @@ class Reconciler:
         self.source = source
         self.device_plugin_kind = device_plugin_kind
         self.claim_kind = claim_kind
+        #: the inventory and the driver the last pass looked at; None when it did not look or failed
+        self.looked: tuple[Inventory, DriverView] | None = None
 
     def discover(self, inventory: Inventory) -> DriverView:
         return self.source.look(inventory)
@@ -123,6 +125,7 @@ class Reconciler:
         known (the DRA checkpoint cannot be read), so no claim spec is deleted."""
         repairs: list[Repair] = []
         errors: list[str] = []
+        self.looked = None
         for name in self.writer.remove_stale_temp_files():
             log.info("cdi.stale_temp_removed", file=name)
         try:
@@ -135,6 +138,7 @@ class Reconciler:
         if len(inventory) or claims:
             try:
                 driver = self.discover(inventory)
+                self.looked = (inventory, driver)
             except CdiError as exc:
                 # without the driver the right content is unknown: only delete what is surely wrong
                 errors.append(str(exc))
