@@ -11,7 +11,9 @@ Per call size (1 claim, 8 claims), on fresh claims each round: the client's late
 wall time, and per phase the median wall time over the calls (a phase nested in another is
 included in both; see ``prepare_trace.py`` for the names).
 
-Usage: ``.venv/bin/python bench/bench_prepare.py [--rounds N] [--sizes 1,8] [--cdi-tmpfs]``.
+Usage: ``.venv/bin/python bench/bench_prepare.py [--rounds N] [--sizes 1,8] [--cdi-tmpfs] [--fake-driver]``
+(``--fake-driver``: the CDI specs of an installed driver, from a fake driver tree, instead of the
+simulated GPUs' environment-only specs).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from bench.bench_compare import (
     register_dra,
     until,
 )
+from tests.cdi_fixtures import FakeDriver
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.selfsigned import self_signed
 
@@ -102,6 +105,9 @@ async def main(args: argparse.Namespace) -> None:
             agent_args: tuple[str, ...] = ("--kubeconfig", str(kubeconfig))
             if not args.cdi_tmpfs:  # the last --cdi-root given wins
                 agent_args += ("--cdi-root", str(work / "cdi-disk"))
+            if args.fake_driver:  # specs from an installed driver's files, as on a GPU node
+                driver = FakeDriver(work / "driver", gpu_minors=tuple(range(8))).build()
+                agent_args += ("--driver-root", str(driver.root))
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
                 bench = Bench(pool)
                 async with agent_process(
@@ -121,7 +127,10 @@ async def main(args: argparse.Namespace) -> None:
                     )
         lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
         lines = [x for x in lines if "driver: whole batch" in x["phases"]]  # not the warm-up call
-        print(f"checkpoint on {fs_type(work)}, CDI specs on {'tmpfs' if args.cdi_tmpfs else fs_type(work)}")
+        print(
+            f"checkpoint on {fs_type(work)}, CDI specs on {'tmpfs' if args.cdi_tmpfs else fs_type(work)}, "
+            f"driver {'installed (fake tree)' if args.fake_driver else 'simulated (env-only specs)'}"
+        )
         for size in sizes:
             mine = [x for x in lines if x["phases"].get("claim: read (GET + decode)", {}).get("n") == size]
             median_table(mine, [s * 1000 for s in latencies[f"prepare {size}"]], f"prepare {size}")
@@ -137,4 +146,10 @@ if __name__ == "__main__":
     parser.add_argument("--sizes", default="1,8")
     parser.add_argument("--cdi-tmpfs", action="store_true", help="CDI specs on a tmpfs, as /var/run/cdi is")
     parser.add_argument("--work-dir", default="/tmp", help="where the checkpoint (and CDI specs) go")
+    parser.add_argument(
+        "--fake-driver",
+        action="store_true",
+        help="a fake installed driver under the driver root (libraries, utilities, device nodes): "
+        "specs as on a GPU node, not the simulated env-only ones",
+    )
     asyncio.run(main(parser.parse_args()))
