@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import Callable
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,13 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-def make_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry, n_gpus: int = 2) -> CdiService:
+def make_service(
+    tmp_path: Path,
+    driver: FakeDriver,
+    registry: CollectorRegistry,
+    n_gpus: int = 2,
+    clock: Callable[[], float] = time.monotonic,
+) -> CdiService:
     return CdiService(
         config=CdiConfig(reconcile_interval_s=PERIOD),
         cdi_root=tmp_path / "cdi",
@@ -44,7 +52,20 @@ def make_service(tmp_path: Path, driver: FakeDriver, registry: CollectorRegistry
         inventory=InventoryState(inventory(n_gpus)),
         registry=registry,
         hook_candidates=[],
+        clock=clock,
     )
+
+
+@contextlib.asynccontextmanager
+async def running(service: CdiService) -> AsyncIterator[None]:
+    """The service's loop (start pass, watch, period) as the agent runs it; cancelled after."""
+    task = asyncio.create_task(service.run(), name="cdi-reconciler")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
 
 
 def load(path: Path) -> s.Spec:
@@ -228,15 +249,10 @@ async def test_running_loop_repairs_within_one_period(
     service: CdiService, tmp_path: Path, driver: FakeDriver, damage: str
 ) -> None:
     passes = service.debug_state()["reconcile_passes"]
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await wait_for(lambda: service.debug_state()["reconcile_passes"] != passes, within=SLACK)  # the start pass
         repaired = DAMAGE[damage](tmp_path, driver)  # now only the periodic pass can repair it
         await wait_for(repaired, within=PERIOD + SLACK)
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_deleted_spec_is_back_long_before_the_period(
@@ -251,8 +267,7 @@ async def test_deleted_spec_is_back_long_before_the_period(
         registry=registry,
         hook_candidates=[],
     )
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         spec = tmp_path / "cdi" / "k8s.gpu-node-agent.nvidia.com-gpu.json"
         await wait_for(spec.exists, within=SLACK)
         original = spec.read_bytes()
@@ -261,10 +276,6 @@ async def test_deleted_spec_is_back_long_before_the_period(
         assert spec.read_bytes() == original
         (tmp_path / "cdi" / "someone-else.json").write_text("{}")  # not ours: ignored, untouched
         assert (tmp_path / "cdi" / "someone-else.json").read_text() == "{}"
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_the_agents_own_writes_start_no_pass_and_anyone_elses_do(
@@ -281,8 +292,7 @@ async def test_the_agents_own_writes_start_no_pass_and_anyone_elses_do(
         assert isinstance(value, int)
         return value
 
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await wait_for(lambda: state("watch_echoes") >= 1, within=SLACK)  # the start pass's own write
         kicks = state("watch_kicks")
         g1 = inventory(2).gpus[1]
@@ -300,17 +310,13 @@ async def test_the_agents_own_writes_start_no_pass_and_anyone_elses_do(
         claim.write_bytes(written.replace(b"nvidia1", b"nvidia9"))
         await wait_for(lambda: claim.read_bytes() == written, within=SLACK)
         assert state("watch_kicks") > kicks
-        # and so is a deletion of one the agent removed being undone by someone: no echo
+        # and so is someone deleting a file the agent wrote
         dp = tmp_path / "cdi" / DP_FILE
         original = dp.read_bytes()
         kicks = state("watch_kicks")
         dp.unlink()
         await wait_for(lambda: dp.exists() and dp.read_bytes() == original, within=SLACK)
         assert state("watch_kicks") > kicks
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_claim_writes_reuse_the_drivers_last_look_for_one_interval(
@@ -319,15 +325,7 @@ async def test_claim_writes_reuse_the_drivers_last_look_for_one_interval(
     """Every claim write looked at the whole installed driver again (libraries, utilities, nodes:
     11 ms a claim for the small fake tree here); the reconcile pass looks every interval anyway."""
     now = [0.0]
-    service = CdiService(
-        config=CdiConfig(reconcile_interval_s=PERIOD),
-        cdi_root=tmp_path / "cdi",
-        driver_root=driver.root,
-        inventory=InventoryState(inventory(2)),
-        registry=registry,
-        hook_candidates=[],
-        clock=lambda: now[0],
-    )
+    service = make_service(tmp_path, driver, registry, clock=lambda: now[0])
     g1 = inventory(2).gpus[1]
 
     def looks() -> object:
@@ -392,18 +390,13 @@ async def test_steady_state_ensure_answers_from_memory(
 ) -> None:
     """While the watch runs and nothing changed, an Allocate's ensure does not look at the disk."""
     service = _quiet_service(tmp_path, driver, registry)
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await _until_known_current(service)
         checks = _checks(service)
         for _ in range(100):
             await service.ensure_device_plugin_spec()
             await asyncio.sleep(0)
         assert _checks(service) == checks
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
     # without a running watch nothing is trusted: every call looks again
     (tmp_path / "cdi" / DP_FILE).unlink()
     await service.ensure_device_plugin_spec()
@@ -417,8 +410,7 @@ async def test_ensure_repairs_a_spec_changed_behind_its_back(
     """Once the watch reports the file, the next ensure checks and repairs it itself (the
     reconciler is held back here, so only ensure can)."""
     service = _quiet_service(tmp_path, driver, registry)
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await _until_known_current(service)
 
         async def no_pass() -> None:
@@ -434,10 +426,6 @@ async def test_ensure_repairs_a_spec_changed_behind_its_back(
         await wait_for(lambda: not service.debug_state()["device_plugin_spec_known_current"], within=2.0)
         await service.ensure_device_plugin_spec()
         assert path.read_bytes() == original
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_ensure_follows_a_new_inventory_at_once(
@@ -445,16 +433,11 @@ async def test_ensure_follows_a_new_inventory_at_once(
 ) -> None:
     """A new inventory is never answered from memory, even before the reconciler wakes."""
     service = _quiet_service(tmp_path, driver, registry)
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await _until_known_current(service)
         service.inventories.update(inventory(2, migs={1: (mig(1, 0, 21, 22),)}))
         await service.ensure_device_plugin_spec()  # before the reconciler's pass could run
         assert "1:0" in load(tmp_path / "cdi" / DP_FILE).device_names
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_concurrent_ensures_after_a_change_check_the_disk_once(
@@ -462,8 +445,7 @@ async def test_concurrent_ensures_after_a_change_check_the_disk_once(
 ) -> None:
     """Callers queued behind the one that checked take its answer instead of checking again."""
     service = _quiet_service(tmp_path, driver, registry)
-    task = asyncio.create_task(service.run(), name="cdi-reconciler")
-    try:
+    async with running(service):
         await _until_known_current(service)
 
         async def no_pass() -> None:
@@ -477,10 +459,6 @@ async def test_concurrent_ensures_after_a_change_check_the_disk_once(
         await wait_for(lambda: not service.debug_state()["device_plugin_spec_known_current"], within=2.0)
         await asyncio.gather(*(service.ensure_device_plugin_spec() for _ in range(32)))
         assert _checks(service) == checks + 1  # type: ignore[operator]
-    finally:
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
 
 
 async def test_corrupt_is_reported_as_such(service: CdiService, tmp_path: Path) -> None:
